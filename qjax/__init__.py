@@ -1,0 +1,16 @@
+"""qjax: quantize and run Qwen3.5/3.6-MoE (Gated DeltaNet + gated attention + MoE) in JAX.
+
+Public API::
+
+    model = qjax.load_model("path/to/checkpoint")          # BF16/FP32 HF folder
+    logits = model(input_ids)                               # [B, T] int32 -> [B, T, V]
+    tokens = qjax.generate(model, input_ids, max_new_tokens=32)
+"""
+
+from .config import ConfigError, TextConfig
+from .loading import LoadError, load_model
+from .model import Qwen3_5MoeForCausalLM, init_model
+from .safetensors_io import SafetensorsError
+
+__all__ = ["ConfigError", "LoadError", "SafetensorsError", "TextConfig", "Qwen3_5MoeForCausalLM", "init_model",
+           "load_model"]

@@ -1,0 +1,80 @@
+"""Small building blocks: linear layers, the two RMSNorms, the SwiGLU MLP.
+
+Weights keep Hugging Face's ``[out, in]`` layout so checkpoint tensors (and later their packed quantized forms, which
+pack along ``in``) map one to one. Matmuls accumulate in float32 and return the activation dtype, as torch's CPU and
+cuBLAS bf16 GEMMs do.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def linear(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+    """``x @ wᵀ`` with ``x [..., in]``, ``w [out, in]`` → ``[..., out]`` in x's dtype (fp32 accumulation)."""
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                            precision=precision, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _normal(rngs: nnx.Rngs | None, shape, std: float, dtype) -> jnp.ndarray:
+    if rngs is None:
+        return jnp.zeros(shape, dtype)
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """Bias-free linear layer, ``weight [out, in]`` (HF ``nn.Linear``)."""
+
+    def __init__(self, d_in: int, d_out: int, *, dtype, std: float = 0.02, rngs: nnx.Rngs | None = None):
+        self.weight = nnx.Param(_normal(rngs, (d_out, d_in), std, dtype))
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        return linear(x, self.weight[...])
+
+
+class RMSNorm(nnx.Module):
+    """Zero-centred RMSNorm: ``cast(rms(f32 x) · (1 + f32 w))`` — the weight is an offset initialised to 0."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        # multiply in fp32 before the cast (not Llama's cast-then-multiply)
+        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """GDN output norm: plain weight (initialised to 1), normalise, then gate with ``silu(z)``.
+
+    The order of casts follows transformers: normalise in fp32, cast, scale by w in the model dtype, gate in fp32.
+    """
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jnp.ndarray, z: jnp.ndarray) -> jnp.ndarray:
+        dt = x.dtype
+        xf = x.astype(jnp.float32)
+        n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(dt)
+        n = self.weight[...].astype(dt) * n
+        return (n.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) · up(x))`` (the shared expert)."""
+
+    def __init__(self, hidden: int, intermediate: int, *, dtype, std: float, rngs: nnx.Rngs | None):
+        self.gate_proj = Linear(hidden, intermediate, dtype=dtype, std=std, rngs=rngs)
+        self.up_proj = Linear(hidden, intermediate, dtype=dtype, std=std, rngs=rngs)
+        self.down_proj = Linear(intermediate, hidden, dtype=dtype, std=std, rngs=rngs)
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,361 @@
+"""Flax NNX model of ``qwen3_5_moe`` (Qwen3.5/3.6-MoE), read top-down like MODEL.md §2.
+
+    h = embed_tokens[ids]
+    for each layer:  h += GatedDeltaNet | GatedAttention (NormZC(h));  h += SparseMoE(NormZC(h))
+    logits = lm_head(NormZC(h))
+
+Layers repeat in a fixed group (``[GDN, GDN, GDN, full]`` for Qwen3.6); the model keeps one stacked copy of each
+group position and ``lax.scan`` s over the groups, so compile time does not grow with depth. Layers see arrays only:
+checkpoint names and formats live in :mod:`qjax.loading`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from . import gdn
+from .cache import Cache, GDNState, KVState
+from .config import FULL, LINEAR, TextConfig
+from .layers import GatedRMSNorm, Linear, RMSNorm, _normal, linear
+from .moe import SparseMoeBlock
+from .rope import apply_rope, rope_cos_sin
+
+
+@struct.dataclass
+class StepContext:
+    """What every layer of one forward call shares (built once per call, outside the layer scan)."""
+
+    cos: jnp.ndarray  # [B, T, R]
+    sin: jnp.ndarray  # [B, T, R]
+    token_mask: jnp.ndarray | None  # [B, T] bool, False at padding (None: no padding)
+    key_valid: jnp.ndarray  # [B, S] bool, keys attention may read (after this call's write)
+    query_slot: jnp.ndarray  # [T] int32, cache slot of each query (causality: key slot ≤ query slot)
+    write_index: jnp.ndarray | None  # [] int32 cache slot of the first new token; None without a cache
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated full attention (MODEL.md §2.3)
+# ---------------------------------------------------------------------------------------------------------------------
+class GatedAttention(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None):
+        h, std = cfg.hidden_size, cfg.initializer_range
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # q_proj rows are head-major [h0 query | h0 gate | h1 query | h1 gate | …]
+        self.q_proj = Linear(h, 2 * self.num_heads * self.head_dim, dtype=dtype, std=std, rngs=rngs)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, dtype=dtype, std=std, rngs=rngs)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, dtype=dtype, std=std, rngs=rngs)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, dtype=dtype, std=std, rngs=rngs)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, kv: KVState | None):
+        """``x [B, T, H]`` → ``([B, T, H], updated KV slice or None)``."""
+        b, t, _ = x.shape
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        p = self.q_proj(x).reshape(b, t, nh, 2 * d)
+        q, gate = p[..., :d], p[..., d:].reshape(b, t, nh * d)
+        q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).reshape(b, t, nkv, d)), ctx.cos, ctx.sin)
+        v = self.v_proj(x).reshape(b, t, nkv, d)
+        if kv is not None:
+            start = (0, ctx.write_index, 0, 0)
+            kv = KVState(k=jax.lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), start),
+                         v=jax.lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), start))
+            keys, values = kv.k.astype(x.dtype), kv.v.astype(x.dtype)
+        else:
+            keys, values = k, v
+        o = attention(q, keys, values, ctx)
+        o = o.reshape(b, t, nh * d) * jax.nn.sigmoid(gate)
+        return self.o_proj(o), kv
+
+
+def attention(q, k, v, ctx: StepContext) -> jnp.ndarray:
+    """Causal GQA softmax attention in fp32; q head h reads kv head ``h // (Hq/Hkv)``.
+
+    Args:
+      q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]`` (S = T without a cache, the cache length with one).
+    Returns:
+      ``[B, T, Hq, D]`` in q's dtype.
+    """
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    allowed = (jnp.arange(s)[None, :] <= ctx.query_slot[:, None])[None] & ctx.key_valid[:, None, :]  # [B, T, S]
+    # a finite minimum (not -inf) keeps fully masked rows (queries at left pads) NaN-free
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype).reshape(b, t, hq, d)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet (MODEL.md §2.5)
+# ---------------------------------------------------------------------------------------------------------------------
+class Conv1d(nnx.Module):
+    """Causal depthwise conv, no bias; ``weight [C, 1, K]`` as HF stores it."""
+
+    def __init__(self, channels: int, kernel: int, *, dtype, rngs: nnx.Rngs | None):
+        self.weight = nnx.Param(_normal(rngs, (channels, 1, kernel), kernel ** -0.5, dtype))
+
+    def __call__(self, x: jnp.ndarray, window: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """``x [B, T, C]``, ``window [B, K-1, C]`` (previous inputs) → (``[B, T, C]`` pre-activation, new window)."""
+        kernel = self.weight.shape[-1]
+        t = x.shape[1]
+        xc = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+        w = self.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
+        y = sum(xc[:, i:i + t].astype(jnp.float32) * w[:, i] for i in range(kernel))
+        return y.astype(x.dtype), xc[:, xc.shape[1] - (kernel - 1):]
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None):
+        h, std = cfg.hidden_size, cfg.initializer_range
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        self.conv_kernel = cfg.linear_conv_kernel_dim
+        self.in_proj_qkv = Linear(h, cfg.conv_dim, dtype=dtype, std=std, rngs=rngs)
+        self.in_proj_z = Linear(h, self.value_dim, dtype=dtype, std=std, rngs=rngs)
+        self.in_proj_b = Linear(h, self.num_v_heads, dtype=dtype, std=std, rngs=rngs)
+        self.in_proj_a = Linear(h, self.num_v_heads, dtype=dtype, std=std, rngs=rngs)
+        self.conv1d = Conv1d(cfg.conv_dim, self.conv_kernel, dtype=dtype, rngs=rngs)
+        # decay parameters stay fp32 whatever the model dtype: g = −exp(A_log)·softplus(a + dt_bias) is precision-bound
+        self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), jnp.float32))
+        a_init = (jax.random.uniform(rngs.params(), (self.num_v_heads,), jnp.float32, 0.01, 16.0)
+                  if rngs is not None else jnp.ones((self.num_v_heads,), jnp.float32))
+        self.A_log = nnx.Param(jnp.log(a_init))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(self.value_dim, h, dtype=dtype, std=std, rngs=rngs)
+
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, state: GDNState | None):
+        """``x [B, T, H]`` → ``([B, T, H], new GDNState or None)``."""
+        b, t, _ = x.shape
+        if ctx.token_mask is not None:
+            # pads are zeroed before the projections so they add nothing to the conv window or the state
+            x = x * ctx.token_mask[..., None].astype(x.dtype)
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(b, t, self.num_v_heads, self.head_v_dim)
+        beta = jax.nn.sigmoid(self.in_proj_b(x))
+        a = self.in_proj_a(x)
+        window = (state.conv if state is not None
+                  else jnp.zeros((b, self.conv_kernel - 1, mixed.shape[-1]), mixed.dtype))
+        mixed, new_window = self.conv1d(mixed, window)
+        mixed = jax.nn.silu(mixed)
+        q = mixed[..., :self.key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
+        k = mixed[..., self.key_dim:2 * self.key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
+        v = mixed[..., 2 * self.key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        if ctx.token_mask is not None:
+            # β = g = 0 makes a padded step an exact no-op on the state, wherever the pad sits
+            keep = ctx.token_mask[..., None]
+            beta = jnp.where(keep, beta, 0)
+            g = jnp.where(keep, g, 0.0)
+        init = state.recurrent if state is not None else None
+        rule = gdn.recurrent_gated_delta_rule if t == 1 else gdn.chunk_gated_delta_rule
+        o, s = rule(q, k, v, g, beta, init)
+        o = self.norm(o.astype(x.dtype), z)
+        out = self.out_proj(o.reshape(b, t, self.value_dim))
+        new_state = GDNState(conv=new_window.astype(state.conv.dtype), recurrent=s) if state is not None else None
+        return out, new_state
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decoder layer, layer group, model
+# ---------------------------------------------------------------------------------------------------------------------
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TextConfig, layer_type: str, *, dtype, rngs: nnx.Rngs | None):
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = SparseMoeBlock(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, h: jnp.ndarray, ctx: StepContext, state):
+        mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
+        out, state = mixer(self.input_layernorm(h), ctx, state)
+        h = h + out
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, state
+
+
+class LayerGroup(nnx.Module):
+    """One repetition of the layer pattern, e.g. ``[GDN, GDN, GDN, full]``."""
+
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None):
+        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype=dtype, rngs=rngs) for kind in cfg.layer_period])
+
+    def __call__(self, h, ctx: StepContext, states):
+        new_states = []
+        for i, layer in enumerate(self.layers):
+            h, st = layer(h, ctx, None if states is None else states[i])
+            new_states.append(st)
+        return h, (None if states is None else tuple(new_states))
+
+
+class MTP(nnx.Module):
+    """Multi-token-prediction head (``mtp.*``): predicts token t+2 from the hidden at t and the token at t+1.
+
+    vLLM's convention (MODEL.md §6.3): ``h_t`` is the post-final-norm hidden; ``fc`` sees ``[embedding, hidden]``;
+    one full-attention + MoE decoder layer; ``mtp.norm`` then the shared lm_head.
+    """
+
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None):
+        h = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.fc = Linear(2 * h, h, dtype=dtype, std=cfg.initializer_range, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, FULL, dtype=dtype, rngs=rngs)
+                                for _ in range(max(1, cfg.mtp_num_hidden_layers))])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, next_embeds: jnp.ndarray, hidden: jnp.ndarray, ctx: StepContext) -> jnp.ndarray:
+        """``next_embeds``, ``hidden``: ``[B, T, H]`` → the ``mtp.norm``-ed hidden ``[B, T, H]``."""
+        y = jnp.concatenate([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        y = self.fc(y)
+        for layer in self.layers:
+            y, _ = layer(y, ctx, None)
+        return self.norm(y)
+
+
+@struct.dataclass
+class ForwardOutput:
+    logits: jnp.ndarray  # [B, T', V] (T' = T, or the kept last positions)
+    hidden: jnp.ndarray  # [B, T, H] post-final-norm hidden (the MTP head's input)
+    cache: Cache | None
+
+
+class Qwen3_5MoeForCausalLM(nnx.Module):
+    """The text model with its lm_head. ``model(input_ids)`` → logits ``[B, T, V]`` (jitted)."""
+
+    def __init__(self, cfg: TextConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, with_mtp: bool = False):
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        std = cfg.initializer_range
+        self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), std, dtype))
+        make_group = lambda r: LayerGroup(cfg, dtype=dtype, rngs=r)
+        if rngs is not None:
+            self.groups = nnx.vmap(make_group, in_axes=0, out_axes=0)(rngs.split(cfg.num_groups))
+        else:
+            self.groups = nnx.vmap(lambda _: make_group(None), in_axes=0, out_axes=0)(jnp.zeros(cfg.num_groups))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
+                                                                   std=std, rngs=rngs)
+        self.mtp = MTP(cfg, dtype=dtype, rngs=rngs) if with_mtp else None
+
+    # -- building blocks ----------------------------------------------------------------------------------------------
+    def embed(self, input_ids: jnp.ndarray) -> jnp.ndarray:
+        return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+
+    def logits_from_hidden(self, h: jnp.ndarray) -> jnp.ndarray:
+        w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
+        return linear(h, w)
+
+    def _context(self, input_ids, attention_mask, position_ids, cache: Cache | None):
+        b, t = input_ids.shape
+        mask = None if attention_mask is None else attention_mask.astype(bool)
+        ones = jnp.ones((b, t), bool)
+        m = ones if mask is None else mask
+        if cache is None:
+            if position_ids is None:
+                position_ids = (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if mask is None
+                                else jnp.maximum(jnp.cumsum(m, axis=1, dtype=jnp.int32) - 1, 0))
+            key_valid, query_slot, write_index = m, jnp.arange(t, dtype=jnp.int32), None
+        else:
+            if position_ids is None:
+                position_ids = cache.positions[:, None] + jnp.maximum(jnp.cumsum(m, axis=1, dtype=jnp.int32) - 1, 0)
+            write_index = cache.index
+            key_valid = jax.lax.dynamic_update_slice(cache.key_valid, m, (0, write_index))
+            query_slot = write_index + jnp.arange(t, dtype=jnp.int32)
+        cos, sin = rope_cos_sin(self.config, position_ids, self.dtype)
+        ctx = StepContext(cos=cos, sin=sin, token_mask=mask, key_valid=key_valid, query_slot=query_slot,
+                          write_index=write_index)
+        return ctx, m
+
+    def run_layers(self, h: jnp.ndarray, ctx: StepContext, slots):
+        """Scan the layer groups. ``slots``: the cache's per-group-position states (leading group axis) or None."""
+        graphdef, state = nnx.split(self.groups)
+
+        def body(h, xs):
+            group_state, group_slots = xs
+            h, new_slots = nnx.merge(graphdef, group_state)(h, ctx, group_slots)
+            return h, new_slots
+
+        return jax.lax.scan(body, h, (state, slots))
+
+    # -- forward ------------------------------------------------------------------------------------------------------
+    def forward(self, input_ids, *, attention_mask=None, position_ids=None, cache: Cache | None = None,
+                last_only: bool = False) -> ForwardOutput:
+        """Traceable forward.
+
+        Args:
+          input_ids: ``[B, T]`` int.
+          attention_mask: ``[B, T]`` (1 = token, 0 = left pad) or None.
+          position_ids: ``[B, T]`` text positions or ``[3, B, T]`` M-RoPE rows; default: count of real tokens
+            before each position (so a left-padded row gets the positions it would have alone).
+          cache: a :class:`Cache` to read and update (prefill or decode), or None.
+          last_only: compute logits for the last position only (generation).
+        """
+        ctx, m = self._context(input_ids, attention_mask, position_ids, cache)
+        h = self.embed(input_ids)
+        h, new_slots = self.run_layers(h, ctx, None if cache is None else cache.slots)
+        h = self.norm(h)
+        logits = self.logits_from_hidden(h[:, -1:] if last_only else h)
+        new_cache = None
+        if cache is not None:
+            t = input_ids.shape[1]
+            new_cache = Cache(slots=new_slots, key_valid=ctx.key_valid,
+                              positions=cache.positions + jnp.sum(m, axis=1, dtype=jnp.int32),
+                              index=cache.index + t)
+        return ForwardOutput(logits=logits, hidden=h, cache=new_cache)
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None) -> jnp.ndarray:
+        """Logits ``[B, T, V]`` for ``input_ids [B, T]``; runs one jitted program (compiled once per shape)."""
+        graphdef, state = nnx.split(self)
+        return _jit_logits(graphdef, state, jnp.asarray(input_ids, jnp.int32),
+                           None if attention_mask is None else jnp.asarray(attention_mask),
+                           None if position_ids is None else jnp.asarray(position_ids, jnp.int32))
+
+    def mtp_logits(self, input_ids, hidden: jnp.ndarray | None = None) -> jnp.ndarray:
+        """Next-next-token logits from the MTP head, ``[B, T-1, V]``: row t predicts token t+2 from (h_t, token t+1).
+
+        ``hidden`` is the post-final-norm hidden of the main model (computed when not given).
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head (the checkpoint has no mtp.* weights)")
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        if hidden is None:
+            hidden = self.forward(input_ids).hidden
+        b, t = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(1, t, dtype=jnp.int32), (b, t - 1))
+        cos, sin = rope_cos_sin(self.config, positions, self.dtype)
+        ctx = StepContext(cos=cos, sin=sin, token_mask=None, key_valid=jnp.ones((b, t - 1), bool),
+                          query_slot=jnp.arange(t - 1, dtype=jnp.int32), write_index=None)
+        y = self.mtp(self.embed(input_ids[:, 1:]), hidden[:, :-1], ctx)
+        return self.logits_from_hidden(y)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_logits(graphdef, state, input_ids, attention_mask, position_ids):
+    model = nnx.merge(graphdef, state)
+    return model.forward(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+
+def init_model(cfg: TextConfig, *, dtype=jnp.float32, seed: int = 0, with_mtp: bool = False) -> Qwen3_5MoeForCausalLM:
+    """A randomly initialised model (HF's init scheme: normal(initializer_range) matrices, zero norm offsets)."""
+    return Qwen3_5MoeForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed), with_mtp=with_mtp)
+
+
+def abstract_model(cfg: TextConfig, *, dtype=jnp.float32, with_mtp: bool = False) -> Qwen3_5MoeForCausalLM:
+    """The model's structure with shape/dtype placeholders only (no memory): the loader fills it."""
+    return nnx.eval_shape(lambda: Qwen3_5MoeForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), with_mtp=with_mtp))
