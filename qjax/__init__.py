@@ -8,9 +8,10 @@ Public API::
 """
 
 from .config import ConfigError, TextConfig
+from .generate import GenerationConfig, generate, stream
 from .loading import LoadError, load_model
 from .model import Qwen3_5MoeForCausalLM, init_model
 from .safetensors_io import SafetensorsError
 
-__all__ = ["ConfigError", "LoadError", "SafetensorsError", "TextConfig", "Qwen3_5MoeForCausalLM", "init_model",
+__all__ = ["ConfigError", "GenerationConfig", "generate", "stream", "LoadError", "SafetensorsError", "TextConfig", "Qwen3_5MoeForCausalLM", "init_model",
            "load_model"]

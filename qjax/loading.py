@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from .config import TextConfig
+from .generate import GenerationConfig
 from .model import Qwen3_5MoeForCausalLM, abstract_model
 from .safetensors_io import SafetensorsFile, list_checkpoint_files
 
@@ -188,9 +189,11 @@ def load_model(path: str | os.PathLike, *, dtype=None) -> Qwen3_5MoeForCausalLM:
     cfg = TextConfig.from_file(path)
     ckpt = Checkpoint(path)
     try:
-        return _load(cfg, ckpt, dtype)
+        model = _load(cfg, ckpt, dtype)
     finally:
         ckpt.close()
+    model.generation_config = GenerationConfig.from_folder(path)
+    return model
 
 
 def _load(cfg: TextConfig, ckpt: Checkpoint, dtype) -> Qwen3_5MoeForCausalLM:

@@ -1,0 +1,270 @@
+"""Cached generation: one jitted prefill, then either one jitted ``while_loop`` over all decode steps (``generate``)
+or one jitted step per token (``stream``). Routing, sampling and the stop test stay on device.
+
+Batches are left-padded: every row ends at the same cache slot, pads are masked out of attention and are exact
+no-ops on the GDN conv window and state, and each row's RoPE positions count only its real tokens — so a row
+decodes the same tokens batched as alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .cache import Cache
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """Sampling defaults, normally read from ``generation_config.json`` (HF semantics and processor order)."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    max_new_tokens: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "GenerationConfig":
+        eos = raw.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return cls(
+            do_sample=bool(raw.get("do_sample", False)),
+            temperature=float(raw.get("temperature") or 1.0),
+            top_k=int(raw.get("top_k") or 0),
+            top_p=float(raw.get("top_p") or 1.0),
+            eos_token_id=eos,
+            pad_token_id=raw.get("pad_token_id"),
+            max_new_tokens=raw.get("max_new_tokens"),
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike) -> "GenerationConfig":
+        path = os.path.join(os.fspath(folder), "generation_config.json")
+        if not os.path.exists(path):
+            return cls()
+        try:
+            with open(path, encoding="utf-8") as f:
+                return cls.from_dict(json.load(f))
+        except (json.JSONDecodeError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: cannot read generation config ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# sampling
+# ---------------------------------------------------------------------------------------------------------------------
+def process_logits(logits: jnp.ndarray, *, temperature: float, top_k: int, top_p: float) -> jnp.ndarray:
+    """Temperature → top-k → top-p, as transformers' warpers do; removed entries become -inf. ``logits [B, V]``."""
+    logits = logits.astype(jnp.float32)
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        order = jnp.argsort(logits, axis=-1)  # ascending, like transformers
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        remove = (cum <= 1.0 - top_p).at[..., -1].set(False)  # always keep the most likely token
+        remove = jnp.zeros_like(remove).at[jnp.arange(logits.shape[0])[:, None], order].set(remove)
+        logits = jnp.where(remove, -jnp.inf, logits)
+    return logits
+
+
+def next_token(logits: jnp.ndarray, key: jax.Array, *, do_sample: bool, temperature: float, top_k: int,
+               top_p: float) -> jnp.ndarray:
+    """``logits [B, V]`` → ``[B]`` int32: argmax (first index on ties, like torch) or a seeded sample."""
+    if not do_sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sampling:
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    eos: tuple[int, ...]
+    pad: int
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# jitted programs
+# ---------------------------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _prefill(graphdef, state, cache: Cache, input_ids, attention_mask):
+    model = nnx.merge(graphdef, state)
+    out = model.forward(input_ids, attention_mask=attention_mask, cache=cache, last_only=True)
+    return out.logits[:, -1], out.cache
+
+
+def _is_eos(tok, eos):
+    if not eos:
+        return jnp.zeros(tok.shape, bool)
+    return jnp.any(tok[:, None] == jnp.asarray(eos, jnp.int32)[None, :], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))
+def _step(graphdef, state, cache: Cache, logits, key, s: _Sampling, done):
+    """Pick a token from ``logits``, feed it, return (token, next logits, cache, done)."""
+    tok = next_token(logits, key, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    tok = jnp.where(done, s.pad, tok)
+    done = done | _is_eos(tok, s.eos)
+    model = nnx.merge(graphdef, state)
+    out = model.forward(tok[:, None], cache=cache)
+    return tok, out.logits[:, -1], out.cache, done
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(2,))
+def _decode_loop(graphdef, state, cache: Cache, logits, key, s: _Sampling, max_new_tokens: int):
+    """All decode steps in one program; stops early once every row has emitted a stop token."""
+    b = logits.shape[0]
+    model = nnx.merge(graphdef, state)
+    tokens = jnp.full((b, max_new_tokens), s.pad, jnp.int32)
+
+    def cond(carry):
+        i, _, _, _, done, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        i, cache, logits, key, done, tokens = carry
+        key, sub = jax.random.split(key)
+        tok = next_token(logits, sub, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k,
+                         top_p=s.top_p)
+        tok = jnp.where(done, s.pad, tok)
+        done = done | _is_eos(tok, s.eos)
+        tokens = tokens.at[:, i].set(tok)
+        # the last token needs no forward pass: nothing reads its logits
+        out_logits, cache = jax.lax.cond(
+            i + 1 < max_new_tokens,
+            lambda c: _forward_one(model, tok, c),
+            lambda c: (logits, c),
+            cache)
+        return i + 1, cache, out_logits, key, done, tokens
+
+    init = (jnp.zeros((), jnp.int32), cache, logits, key, jnp.zeros((b,), bool), tokens)
+    n, cache, _, _, _, tokens = jax.lax.while_loop(cond, body, init)
+    return tokens, n, cache
+
+
+def _forward_one(model, tok, cache):
+    out = model.forward(tok[:, None], cache=cache)
+    return out.logits[:, -1], out.cache
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# public
+# ---------------------------------------------------------------------------------------------------------------------
+def _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
+             generation_config) -> tuple[_Sampling, int]:
+    gc = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
+    if max_new_tokens is None:
+        max_new_tokens = gc.max_new_tokens
+    if max_new_tokens is None or int(max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    eos = gc.eos_token_id if eos_token_id is None else (
+        tuple(eos_token_id) if isinstance(eos_token_id, Sequence) else (int(eos_token_id),))
+    pad = pad_token_id if pad_token_id is not None else gc.pad_token_id
+    if pad is None:
+        pad = eos[0] if eos else 0
+    s = _Sampling(
+        do_sample=gc.do_sample if do_sample is None else bool(do_sample),
+        temperature=float(gc.temperature if temperature is None else temperature),
+        top_k=int(gc.top_k if top_k is None else top_k),
+        top_p=float(gc.top_p if top_p is None else top_p),
+        eos=tuple(int(e) for e in eos), pad=int(pad))
+    if s.do_sample and s.temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {s.temperature}")
+    if not 0.0 < s.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {s.top_p}")
+    if s.top_k < 0:
+        raise ValueError(f"top_k must be ≥ 0, got {s.top_k}")
+    return s, int(max_new_tokens)
+
+
+def _prepare(model, input_ids, attention_mask, max_new_tokens):
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [B, T] with T ≥ 1, got shape {ids.shape}")
+    vocab = model.config.vocab_size
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"input_ids must be in [0, {vocab}), got range [{ids.min()}, {ids.max()}]")
+    mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask, np.int32)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask shape {mask.shape} differs from input_ids shape {ids.shape}")
+    if np.any(mask[:, :-1] > mask[:, 1:]):
+        raise ValueError("attention_mask must be left-padded (zeros before ones in every row)")
+    if np.any(mask[:, -1] == 0):
+        raise ValueError("every row needs at least one real token at the end (left padding)")
+    cache = Cache.init(model.config, ids.shape[0], ids.shape[1] + max_new_tokens, model.dtype)
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(mask), cache
+
+
+def generate(model, input_ids, *, max_new_tokens: int | None = None, attention_mask=None,
+             do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
+             generation_config: GenerationConfig | None = None) -> np.ndarray:
+    """Generate up to ``max_new_tokens`` tokens after each (left-padded) prompt.
+
+    Unset sampling options come from ``generation_config`` or the model's ``generation_config.json``; greedy when
+    ``do_sample`` is off. After a row emits a stop token it is filled with ``pad_token_id``.
+
+    Args:
+      input_ids: ``[B, T]`` (or ``[T]``) int token ids, left-padded.
+      attention_mask: ``[B, T]``, 0 at left pads; default all ones.
+    Returns:
+      ``[B, T + n]`` int32 numpy array: the prompts followed by the n generated tokens (n ≤ max_new_tokens; fewer
+      when every row stopped early).
+    """
+    s, n_new = _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
+                        generation_config)
+    ids, mask, cache = _prepare(model, input_ids, attention_mask, n_new)
+    graphdef, state = nnx.split(model)
+    logits, cache = _prefill(graphdef, state, cache, ids, mask)
+    tokens, n, _ = _decode_loop(graphdef, state, cache, logits, jax.random.key(seed), s, n_new)
+    n = int(n)
+    return np.concatenate([np.asarray(ids), np.asarray(tokens)[:, :n]], axis=1)
+
+
+def stream(model, input_ids, *, max_new_tokens: int | None = None, attention_mask=None,
+           do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+           top_p: float | None = None, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
+           generation_config: GenerationConfig | None = None) -> Iterator[np.ndarray]:
+    """Like :func:`generate` but yields each step's ``[B]`` tokens as soon as they exist (same tokens, same seed)."""
+    s, n_new = _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
+                        generation_config)
+    ids, mask, cache = _prepare(model, input_ids, attention_mask, n_new)
+    graphdef, state = nnx.split(model)
+    logits, cache = _prefill(graphdef, state, cache, ids, mask)
+    key = jax.random.key(seed)
+    done = jnp.zeros((ids.shape[0],), bool)
+    for _ in range(n_new):
+        key, sub = jax.random.split(key)
+        tok, logits, cache, done = _step(graphdef, state, cache, logits, sub, s, done)
+        yield np.asarray(tok)
+        if bool(jnp.all(done)):
+            return
+
+
+def generate_with_callback(model, input_ids, callback: Callable[[np.ndarray], None], **kwargs) -> np.ndarray:
+    """:func:`stream` collected into :func:`generate`'s return format, calling ``callback(tokens [B])`` per step."""
+    steps = []
+    for tok in stream(model, input_ids, **kwargs):
+        callback(tok)
+        steps.append(tok)
+    ids = np.asarray(input_ids if np.ndim(input_ids) == 2 else np.asarray(input_ids)[None])
+    return np.concatenate([ids, np.stack(steps, axis=1)], axis=1) if steps else ids

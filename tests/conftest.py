@@ -1,0 +1,31 @@
+"""Session-wide oracle fixtures: tiny transformers models generated at test time (see hf_util.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_util import make_hf_model, odd_text_config, save_hf, tiny_text_config, write_official_layout
+
+# The models are tiny: more threads only add scheduling noise and contend with parallel test workers.
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, str]:
+    """(model, folder) of the tiny config, seed 0, saved per-expert under `model.layers.*`."""
+    model = make_hf_model(tiny_text_config(), seed=0)
+    return model, save_hf(model, tmp_path_factory.mktemp("tiny-qwen"))
+
+
+@pytest.fixture(scope="session")
+def odd_hf(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, str]:
+    """(model, folder) of the odd-sized config, seed 0."""
+    model = make_hf_model(odd_text_config(), seed=0)
+    return model, save_hf(model, tmp_path_factory.mktemp("odd-qwen"))
+
+
+@pytest.fixture(scope="session")
+def official_dir(tiny_hf: tuple[torch.nn.Module, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """tiny_hf's weights in the official Qwen3.6 layout (composite config, fused experts, visual + MTP, 2 shards)."""
+    return write_official_layout(tiny_hf[1], tmp_path_factory.mktemp("tiny-qwen-official"))
