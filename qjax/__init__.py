@@ -8,10 +8,11 @@ Public API::
 """
 
 from .config import ConfigError, TextConfig
-from .generate import GenerationConfig, generate, stream
+from .cache import Cache
+from .generate import GenerationConfig, extend, generate, stream
 from .loading import LoadError, load_model
 from .model import Qwen3_5MoeForCausalLM, init_model
 from .safetensors_io import SafetensorsError
 
-__all__ = ["ConfigError", "GenerationConfig", "generate", "stream", "LoadError", "SafetensorsError", "TextConfig", "Qwen3_5MoeForCausalLM", "init_model",
+__all__ = ["Cache", "ConfigError", "GenerationConfig", "extend", "generate", "stream", "LoadError", "SafetensorsError", "TextConfig", "Qwen3_5MoeForCausalLM", "init_model",
            "load_model"]

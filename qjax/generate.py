@@ -110,6 +110,25 @@ def _prefill(graphdef, state, cache: Cache, input_ids, attention_mask):
     return out.logits[:, -1], out.cache
 
 
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _extend(graphdef, state, cache: Cache, input_ids, attention_mask):
+    out = nnx.merge(graphdef, state).forward(input_ids, attention_mask=attention_mask, cache=cache)
+    return out.logits, out.cache
+
+
+def extend(model, cache: Cache, input_ids, attention_mask=None) -> tuple[jnp.ndarray, Cache]:
+    """Run ``input_ids [B, T]`` through the model on top of ``cache`` (prefill, or continue a conversation).
+
+    Returns logits ``[B, T, V]`` for every new position and the updated cache (the old one is donated).
+    """
+    ids = jnp.asarray(input_ids, jnp.int32)
+    mask = jnp.ones(ids.shape, jnp.int32) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
+    if int(cache.index) + ids.shape[1] > cache.max_len:
+        raise ValueError(f"cache holds {cache.max_len} positions; {int(cache.index)} used, {ids.shape[1]} more asked")
+    graphdef, state = nnx.split(model)
+    return _extend(graphdef, state, cache, ids, mask)
+
+
 def _is_eos(tok, eos):
     if not eos:
         return jnp.zeros(tok.shape, bool)

@@ -20,7 +20,7 @@ from flax import nnx, struct
 from . import gdn
 from .cache import Cache, GDNState, KVState
 from .config import FULL, LINEAR, TextConfig
-from .layers import GatedRMSNorm, Linear, RMSNorm, _normal, linear
+from .layers import GatedRMSNorm, Linear, RMSNorm, _normal
 from .moe import SparseMoeBlock
 from .rope import apply_rope, rope_cos_sin
 
@@ -195,12 +195,14 @@ class LayerGroup(nnx.Module):
     def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None):
         self.layers = nnx.List([DecoderLayer(cfg, kind, dtype=dtype, rngs=rngs) for kind in cfg.layer_period])
 
-    def __call__(self, h, ctx: StepContext, states):
-        new_states = []
+    def __call__(self, h, ctx: StepContext, states, collect: bool = False):
+        new_states, outs = [], []
         for i, layer in enumerate(self.layers):
             h, st = layer(h, ctx, None if states is None else states[i])
             new_states.append(st)
-        return h, (None if states is None else tuple(new_states))
+            outs.append(h)
+        new_states = None if states is None else tuple(new_states)
+        return h, new_states, (jnp.stack(outs) if collect else None)
 
 
 class MTP(nnx.Module):
@@ -233,6 +235,7 @@ class ForwardOutput:
     logits: jnp.ndarray  # [B, T', V] (T' = T, or the kept last positions)
     hidden: jnp.ndarray  # [B, T, H] post-final-norm hidden (the MTP head's input)
     cache: Cache | None
+    hidden_states: jnp.ndarray | None = None  # [L + 1, B, T, H] when asked for
 
 
 class Qwen3_5MoeForCausalLM(nnx.Module):
@@ -258,8 +261,12 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
 
     def logits_from_hidden(self, h: jnp.ndarray) -> jnp.ndarray:
+        """Logits in float32 whatever the model dtype: rounding them to bf16 creates argmax ties and costs accuracy
+        for nothing (the matmul accumulates in fp32 anyway)."""
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
-        return linear(h, w)
+        precision = jax.lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
+        return jax.lax.dot_general(h, w.astype(h.dtype), (((h.ndim - 1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
 
     def _context(self, input_ids, attention_mask, position_ids, cache: Cache | None):
         b, t = input_ids.shape
@@ -282,20 +289,30 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
                           write_index=write_index)
         return ctx, m
 
-    def run_layers(self, h: jnp.ndarray, ctx: StepContext, slots):
-        """Scan the layer groups. ``slots``: the cache's per-group-position states (leading group axis) or None."""
+    def run_layers(self, h: jnp.ndarray, ctx: StepContext, slots, collect: bool = False):
+        """Scan the layer groups.
+
+        Args:
+          slots: the cache's per-group-position states (leading group axis) or None.
+          collect: also return every layer's output hidden ``[L, B, T, H]`` (numerics diffs), else None.
+        Returns:
+          (h, new slots, per-layer hiddens).
+        """
         graphdef, state = nnx.split(self.groups)
 
         def body(h, xs):
             group_state, group_slots = xs
-            h, new_slots = nnx.merge(graphdef, group_state)(h, ctx, group_slots)
-            return h, new_slots
+            h, new_slots, outs = nnx.merge(graphdef, group_state)(h, ctx, group_slots, collect)
+            return h, (new_slots, outs)
 
-        return jax.lax.scan(body, h, (state, slots))
+        h, (new_slots, outs) = jax.lax.scan(body, h, (state, slots))
+        if collect:
+            outs = outs.reshape(-1, *outs.shape[2:])  # [G, p, B, T, H] → layer g·p + j
+        return h, new_slots, outs
 
     # -- forward ------------------------------------------------------------------------------------------------------
     def forward(self, input_ids, *, attention_mask=None, position_ids=None, cache: Cache | None = None,
-                last_only: bool = False) -> ForwardOutput:
+                last_only: bool = False, output_hidden_states: bool = False) -> ForwardOutput:
         """Traceable forward.
 
         Args:
@@ -305,10 +322,14 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
             before each position (so a left-padded row gets the positions it would have alone).
           cache: a :class:`Cache` to read and update (prefill or decode), or None.
           last_only: compute logits for the last position only (generation).
+          output_hidden_states: also return the embeddings and every layer's output (before the final norm) as
+            ``hidden_states [L + 1, B, T, H]`` — transformers' ``output_hidden_states`` minus its final-norm entry.
         """
         ctx, m = self._context(input_ids, attention_mask, position_ids, cache)
         h = self.embed(input_ids)
-        h, new_slots = self.run_layers(h, ctx, None if cache is None else cache.slots)
+        h0 = h
+        h, new_slots, outs = self.run_layers(h, ctx, None if cache is None else cache.slots, output_hidden_states)
+        hidden_states = jnp.concatenate([h0[None], outs]) if output_hidden_states else None
         h = self.norm(h)
         logits = self.logits_from_hidden(h[:, -1:] if last_only else h)
         new_cache = None
@@ -317,7 +338,7 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
             new_cache = Cache(slots=new_slots, key_valid=ctx.key_valid,
                               positions=cache.positions + jnp.sum(m, axis=1, dtype=jnp.int32),
                               index=cache.index + t)
-        return ForwardOutput(logits=logits, hidden=h, cache=new_cache)
+        return ForwardOutput(logits=logits, hidden=h, cache=new_cache, hidden_states=hidden_states)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None) -> jnp.ndarray:
         """Logits ``[B, T, V]`` for ``input_ids [B, T]``; runs one jitted program (compiled once per shape)."""

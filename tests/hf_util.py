@@ -118,7 +118,9 @@ def odd_text_config(**overrides: Any) -> dict[str, Any]:
     return _apply_overrides(cfg, overrides)
 
 
-def make_hf_model(config: dict[str, Any], *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen3_5MoeForCausalLM:
+def make_hf_model(
+    config: dict[str, Any], *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Qwen3_5MoeForCausalLM:
     """Seeded random `Qwen3_5MoeForCausalLM` in eval mode with every norm weight, `dt_bias` and `A_log` randomised.
 
     transformers initialises the zero-centred RMSNorms to 0 and dt_bias to 1; left like that, a (1 + w) vs w
@@ -137,8 +139,7 @@ def make_hf_model(config: dict[str, Any], *, seed: int = 0, dtype: torch.dtype =
                 leaf = name.rsplit(".", 1)[-1]
                 # Qwen3_5MoeRMSNorm weights (input/post_attention/final/q_norm/k_norm) are offsets around 0; the GDN
                 # gated norm `linear_attn.norm.weight` is a plain weight around 1: noise both the same way.
-                is_norm = leaf == "weight" and re.search(r"(layernorm|norm)\.weight$", name) is not None
-                if is_norm or leaf == "dt_bias":
+                if name.endswith("norm.weight") or leaf == "dt_bias":
                     param.add_(torch.randn(param.shape, generator=gen) * NORM_NOISE_STD)
                 elif leaf == "A_log":
                     # Same range as transformers' init (A in [0.01, 16]), drawn here so it never depends on init.
@@ -147,7 +148,10 @@ def make_hf_model(config: dict[str, Any], *, seed: int = 0, dtype: torch.dtype =
 
 
 def save_hf(model: torch.nn.Module, path: str | Path) -> str:
-    """`save_pretrained` into `path` (per-expert `...mlp.experts.{e}.{gate,up,down}_proj.weight` keys) + generation_config."""
+    """`save_pretrained` into `path` + a generation_config.json; returns `str(path)`.
+
+    transformers writes per-expert keys `model.layers.L.mlp.experts.{e}.{gate,up,down}_proj.weight`.
+    """
     path = Path(path)
     # transformers 5 always writes safetensors (the `safe_serialization` argument no longer exists).
     model.save_pretrained(path)
@@ -173,7 +177,7 @@ def _load_dir(src: Path) -> dict[str, torch.Tensor]:
 
 
 def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert 2-D weights -> `experts.gate_up_proj [E, 2I, H]` (gate rows first) and `experts.down_proj [E, H, I]`."""
+    """Per-expert 2-D weights -> `experts.gate_up_proj [E, 2I, H]` (gate rows first), `experts.down_proj [E, H, I]`."""
     out: dict[str, torch.Tensor] = {}
     groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, t in tensors.items():
@@ -218,7 +222,9 @@ def tiny_vision_config(out_hidden_size: int) -> Qwen3_5MoeVisionConfig:
     )
 
 
-def _random_like(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _random_like(
+    shapes: dict[str, tuple[int, ...]], gen: torch.Generator, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Random tensors for the given names: norms around their identity value, everything else N(0, RANDOM_STD)."""
     out: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
@@ -383,9 +389,7 @@ def _as_long(x: np.ndarray | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(np.asarray(x), dtype=torch.long)
 
 
-def hf_logits(
-    model: torch.nn.Module, input_ids: np.ndarray, attention_mask: np.ndarray | None = None
-) -> np.ndarray:
+def hf_logits(model: torch.nn.Module, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
     """Full-sequence logits `[B, T, V]` as float32 numpy (no cache, no grad)."""
     mask = None if attention_mask is None else _as_long(attention_mask)
     with torch.no_grad():

@@ -24,7 +24,9 @@ def _read_checkpoint(folder: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint folder, going through the shard index when there is one."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = ["model.safetensors"]
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     out: dict[str, torch.Tensor] = {}
     for name in files:
         with safe_open(folder / name, framework="pt") as f:
@@ -66,7 +68,7 @@ def test_norms_and_dt_bias_are_perturbed(tiny_hf: tuple[torch.nn.Module, str]) -
 def test_make_hf_model_is_deterministic() -> None:
     a, b = make_hf_model(tiny_text_config(), seed=3), make_hf_model(tiny_text_config(), seed=3)
     c = make_hf_model(tiny_text_config(), seed=4)
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     assert not torch.equal(a.model.norm.weight, c.model.norm.weight)
 
 
@@ -99,9 +101,10 @@ def test_official_layout_files(official_dir: str, tiny_hf: tuple[torch.nn.Module
     assert tensors[f"{pre}.gate_up_proj"].shape == (8, 64, 64)
     assert tensors[f"{pre}.down_proj"].shape == (8, 64, 32)
     # gate rows first, then up rows; down stacked as is
-    assert torch.equal(tensors[f"{pre}.gate_up_proj"][e, :inter], src[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"])
-    assert torch.equal(tensors[f"{pre}.gate_up_proj"][e, inter:], src[f"model.layers.0.mlp.experts.{e}.up_proj.weight"])
-    assert torch.equal(tensors[f"{pre}.down_proj"][e], src[f"model.layers.0.mlp.experts.{e}.down_proj.weight"])
+    per_expert = f"model.layers.0.mlp.experts.{e}"
+    assert torch.equal(tensors[f"{pre}.gate_up_proj"][e, :inter], src[f"{per_expert}.gate_proj.weight"])
+    assert torch.equal(tensors[f"{pre}.gate_up_proj"][e, inter:], src[f"{per_expert}.up_proj.weight"])
+    assert torch.equal(tensors[f"{pre}.down_proj"][e], src[f"{per_expert}.down_proj.weight"])
     assert torch.equal(tensors["lm_head.weight"], src["lm_head.weight"])
     assert not any(k.startswith("model.layers.") for k in tensors)
 
