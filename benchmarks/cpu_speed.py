@@ -1,0 +1,429 @@
+"""CPU prefill and decode throughput: qjax vs transformers (same machine, same run, same weights).
+
+For each config a seeded transformers ``Qwen3_5MoeForCausalLM`` (torch.manual_seed(0), float32, eval) is saved with
+``save_pretrained`` and loaded with ``qjax.load_model``; both then run the same token ids.
+
+Measured per config (fp32; ``mid`` also in bf16 unless ``--no-bf16``):
+
+- prefill tok/s, ``1×512`` and ``4×128``: transformers ``model(ids, use_cache=True)`` under ``torch.no_grad``;
+  qjax ``qjax.extend`` into a fresh cache (all positions' logits, like transformers).
+- decode tok/s, batch 1 and 4, a 32-token prompt, ``N`` new tokens greedy (N = 64; ``--mid-new-tokens`` for mid):
+  transformers ``generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)``, qjax ``qjax.generate(...,
+  eos_token_id=[])``. decode time = generate time − prefill time of the same prompt (both forward the prompt once and
+  run N−1 single-token steps), decode tok/s = B·(N−1) / decode time.
+
+Every time is the median of ``--repeats`` runs after one untimed warm-up call with the same shapes (fewer, but ≥3,
+for transformers cases that take over ``--slow-s`` seconds per call). qjax results are forced with
+``jax.block_until_ready`` / ``np.asarray``; the first (compiling) call is timed separately and its excess over the
+steady-state median is reported as the compile time. torch runs with 2 threads.
+
+The transformers baseline is ``attn_implementation="eager"`` with ``experts_implementation="eager"`` (the Python
+loop over experts); ``--hf-default`` adds transformers' defaults (sdpa attention + grouped_mm experts) as a second
+baseline column. Sanity: qjax's greedy tokens must equal transformers' for the tiny fp32 config (asserted).
+
+    python benchmarks/cpu_speed.py [--configs tiny,mid] [--repeats N] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SECTION = "## CPU: qjax vs transformers eager (issue 2)"
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+TARGET = 3.0  # decode ≥ 3× transformers eager
+
+LIN, FULL = "linear_attention", "full_attention"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# configs
+# ---------------------------------------------------------------------------------------------------------------------
+def config_dict(name: str) -> dict:
+    if name == "tiny":
+        return dict(
+            vocab_size=512, hidden_size=64, num_hidden_layers=4, layer_types=[LIN, LIN, LIN, FULL],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, initializer_range=0.1, tie_word_embeddings=False,
+            max_position_embeddings=2048,
+            rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                 mrope_section=[2, 1, 1], mrope_interleaved=True))
+    if name == "mid":
+        return dict(
+            vocab_size=8192, hidden_size=512, num_hidden_layers=8, layer_types=[LIN, LIN, LIN, FULL] * 2,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+            linear_conv_kernel_dim=4, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
+            shared_expert_intermediate_size=256, tie_word_embeddings=False, max_position_embeddings=2048,
+            # head_dim 64 × 0.25 → rotary dim 16 → 8 frequencies = sum(mrope_section)
+            rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                 mrope_section=[3, 3, 2], mrope_interleaved=True))
+    raise SystemExit(f"unknown config {name!r} (tiny, mid)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Timing:
+    median: float
+    runs: list[float]
+    first: float | None = None  # untimed-warm-up call's wall time (qjax: includes compilation)
+
+    @property
+    def compile_s(self) -> float | None:
+        return None if self.first is None else max(self.first - self.median, 0.0)
+
+
+def bench(fn, repeats: int, slow_s: float = 1e9, min_repeats: int = 3) -> Timing:
+    """One warm-up call (timed separately), then ``repeats`` timed calls; fewer (≥ min_repeats) when slow."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    runs: list[float] = []
+    while len(runs) < repeats:
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+        if len(runs) >= min_repeats and sum(runs) / len(runs) > slow_s:
+            break
+    return Timing(statistics.median(runs), runs, first)
+
+
+@dataclass
+class Row:
+    config: str
+    dtype: str
+    phase: str  # prefill | decode
+    shape: str  # "B×T" (prefill) or "B×N (prompt P)" (decode)
+    tokens: int  # tokens counted in tok/s
+    qjax: Timing
+    hf: Timing
+    hf_default: Timing | None = None
+    qjax_prefill: Timing | None = None  # decode rows: prompt prefill subtracted
+    hf_prefill: Timing | None = None
+    hf_default_prefill: Timing | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def _time(self, t: Timing | None, p: Timing | None) -> float | None:
+        if t is None:
+            return None
+        return t.median - (p.median if p is not None else 0.0)
+
+    def tps(self, which: str) -> float | None:
+        t = {"qjax": (self.qjax, self.qjax_prefill), "hf": (self.hf, self.hf_prefill),
+             "hf_default": (self.hf_default, self.hf_default_prefill)}[which]
+        dt = self._time(*t)
+        if dt is None:
+            return None
+        return self.tokens / dt if dt > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# benchmark
+# ---------------------------------------------------------------------------------------------------------------------
+def run_config(name: str, dtypes: list[str], args, rows: list[Row], log) -> None:
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    import qjax
+
+    cfg = config_dict(name)
+    hf_config = Qwen3_5MoeTextConfig(**cfg)
+    torch.manual_seed(0)
+    hf_model = Qwen3_5MoeForCausalLM(hf_config).to(torch.float32).eval()
+    n_params = sum(p.numel() for p in hf_model.parameters())
+    log(f"\n=== {name}: {n_params / 1e6:.2f}M parameters ===")
+
+    with tempfile.TemporaryDirectory(prefix=f"qjax-bench-{name}-") as folder:
+        hf_model.save_pretrained(folder)
+        hf_model = None
+        for dtype_name in dtypes:
+            tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+            jdtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype_name]
+            hf = Qwen3_5MoeForCausalLM.from_pretrained(folder, dtype=tdtype, attn_implementation="eager",
+                                                       experts_implementation="eager").eval()
+            impls = f"attn={hf.config._attn_implementation}, experts={hf.config._experts_implementation}"
+            hf_def = None
+            if args.hf_default:
+                hf_def = Qwen3_5MoeForCausalLM.from_pretrained(folder, dtype=tdtype).eval()
+                impls += (f"; default: attn={hf_def.config._attn_implementation}, "
+                          f"experts={hf_def.config._experts_implementation}")
+            t0 = time.perf_counter()
+            model = qjax.load_model(folder, dtype=jdtype)
+            log(f"--- {name} {dtype_name}: transformers {impls}; qjax load {time.perf_counter() - t0:.2f}s")
+            rows_here = bench_model(name, dtype_name, hf, hf_def, model, cfg["vocab_size"], args, log)
+            rows.extend(rows_here)
+            del hf, hf_def, model
+            jax.clear_caches()
+
+
+def bench_model(name, dtype_name, hf, hf_def, model, vocab, args, log) -> list[Row]:
+    import jax
+    import torch
+
+    import qjax
+
+    rng = np.random.default_rng(0)
+    rows: list[Row] = []
+    reps, slow = args.repeats, args.slow_s
+
+    def hf_prefill_fn(m, ids_t):
+        def f():
+            with torch.no_grad():
+                return m(ids_t, use_cache=True).logits
+        return f
+
+    def qjax_prefill_fn(ids_j, max_len):
+        def f():
+            cache = qjax.Cache.init(model.config, ids_j.shape[0], max_len, model.dtype)
+            jax.block_until_ready(cache)
+            logits, cache = qjax.extend(model, cache, ids_j)
+            jax.block_until_ready((logits, cache))
+            return logits
+        return f
+
+    # ---- prefill ----------------------------------------------------------------------------------------------------
+    for b, t in ((1, 512), (4, 128)):
+        ids = rng.integers(0, vocab, (b, t), dtype=np.int64)
+        ids_t, ids_j = torch.from_numpy(ids), jax.numpy.asarray(ids, jax.numpy.int32)
+        tq = bench(qjax_prefill_fn(ids_j, t), reps)
+        th = bench(hf_prefill_fn(hf, ids_t), reps, slow)
+        td = bench(hf_prefill_fn(hf_def, ids_t), reps, slow) if hf_def is not None else None
+        row = Row(name, dtype_name, "prefill", f"{b}×{t}", b * t, tq, th, td)
+        if dtype_name == "fp32":
+            # same logits? (a cheap plausibility check, not a parity test)
+            with torch.no_grad():
+                ref = hf(ids_t).logits.float().numpy()
+            got = np.asarray(qjax_prefill_fn(ids_j, t)(), np.float32)
+            row.extra["max|Δlogits|"] = float(np.max(np.abs(got - ref)))
+        rows.append(row)
+        log(_fmt_row(row))
+
+    # ---- decode -----------------------------------------------------------------------------------------------------
+    n_new = args.mid_new_tokens if name == "mid" and args.mid_new_tokens else args.new_tokens
+    p = args.prompt
+    for b in (1, 4):
+        ids = rng.integers(0, vocab, (b, p), dtype=np.int64)
+        ids_t, ids_j = torch.from_numpy(ids), jax.numpy.asarray(ids, jax.numpy.int32)
+        mask_t = torch.ones_like(ids_t)
+        out = {}
+
+        def qjax_gen():
+            out["qjax"] = qjax.generate(model, ids_j, max_new_tokens=n_new, do_sample=False, eos_token_id=[])
+            return out["qjax"]
+
+        def hf_gen_fn(m, key):
+            def f():
+                with torch.no_grad():
+                    out[key] = m.generate(ids_t, attention_mask=mask_t, max_new_tokens=n_new, min_new_tokens=n_new,
+                                          do_sample=False, pad_token_id=0, eos_token_id=None).numpy()
+                return out[key]
+            return f
+
+        tq = bench(qjax_gen, reps)
+        tqp = bench(qjax_prefill_fn(ids_j, p + n_new), reps)
+        th = bench(hf_gen_fn(hf, "hf"), reps, slow)
+        thp = bench(hf_prefill_fn(hf, ids_t), reps, slow)
+        td = tdp = None
+        if hf_def is not None:
+            td = bench(hf_gen_fn(hf_def, "hf_default"), reps, slow)
+            tdp = bench(hf_prefill_fn(hf_def, ids_t), reps, slow)
+        row = Row(name, dtype_name, "decode", f"{b}×{n_new} (prompt {p})", b * (n_new - 1), tq, th, td, tqp, thp, tdp)
+        assert out["qjax"].shape == (b, p + n_new), out["qjax"].shape
+        assert out["hf"].shape == (b, p + n_new), out["hf"].shape
+        same = np.array_equal(out["qjax"], out["hf"])
+        agree = float(np.mean(out["qjax"][:, p:] == out["hf"][:, p:]))
+        row.extra["greedy"] = "MATCH" if same else f"differ ({agree:.0%} of new tokens equal)"
+        if name == "tiny" and dtype_name == "fp32":
+            assert same, f"tiny fp32 greedy tokens differ: qjax {out['qjax'][:, p:]} vs transformers {out['hf'][:, p:]}"
+        rows.append(row)
+        log(_fmt_row(row))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reporting
+# ---------------------------------------------------------------------------------------------------------------------
+def _num(x: float | None, nd: int = 0) -> str:
+    if x is None:
+        return "–"
+    if x != x:
+        return "n/a"
+    return f"{x:,.{nd}f}"
+
+
+def _ratio(a, b) -> str:
+    return "–" if a is None or b is None or not b > 0 else f"{a / b:.2f}×"
+
+
+def _fmt_row(r: Row) -> str:
+    s = (f"{r.config:4s} {r.dtype} {r.phase:7s} {r.shape:16s} qjax {_num(r.tps('qjax')):>9s} tok/s | "
+         f"hf eager {_num(r.tps('hf')):>8s} tok/s | ratio {_ratio(r.tps('qjax'), r.tps('hf')):>7s}")
+    if r.hf_default is not None:
+        s += f" | hf default {_num(r.tps('hf_default'))} ({_ratio(r.tps('qjax'), r.tps('hf_default'))})"
+    s += f" | qjax compile {r.qjax.compile_s:.1f}s"
+    for k, v in r.extra.items():
+        s += f" | {k} {v:.2e}" if isinstance(v, float) else f" | {k}: {v}"
+    return s
+
+
+def markdown(rows: list[Row], meta: dict, with_default: bool) -> str:
+    lines = [SECTION, "",
+             f"- date: {meta['date']}",
+             f"- machine: {meta['cpu']}, {meta['cores']} cores (`nproc` {meta['nproc']}); torch threads {meta['torch_threads']}",
+             f"- command: `{meta['command']}`",
+             f"- versions: jax {meta['jax']} (jaxlib {meta['jaxlib']}, backend {meta['backend']}), flax {meta['flax']}, "
+             f"torch {meta['torch']}, transformers {meta['transformers']}, python {meta['python']}",
+             f"- method: {meta['method']}",
+             f"- target: **decode ≥ {TARGET:g}× transformers eager** (per decode row: MET / MISSED)",
+             ""]
+    head = ["config", "dtype", "phase", "batch×tokens", "qjax tok/s", "transformers eager tok/s", "qjax / eager"]
+    if with_default:
+        head += ["transformers sdpa+grouped_mm tok/s", "qjax / default"]
+    head += ["qjax compile (s)", "target", "check"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join("---" for _ in head) + "|")
+    for r in rows:
+        q, h = r.tps("qjax"), r.tps("hf")
+        cells = [r.config, r.dtype, r.phase, r.shape, _num(q), _num(h), _ratio(q, h)]
+        if with_default:
+            cells += [_num(r.tps("hf_default")), _ratio(q, r.tps("hf_default"))]
+        comp = r.qjax.compile_s if r.qjax_prefill is None else r.qjax.compile_s
+        target = "–"
+        if r.phase == "decode":
+            target = "MET" if (q is not None and h and q / h >= TARGET) else "MISSED"
+        check = "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k}: {v}" for k, v in r.extra.items())
+        cells += [f"{comp:.1f}", target, check]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Raw medians (seconds; decode rows: generate / prompt prefill):")
+    lines.append("")
+    lines.append("```")
+    for r in rows:
+        s = f"{r.config} {r.dtype} {r.phase} {r.shape}: qjax {r.qjax.median:.4f}"
+        if r.qjax_prefill:
+            s += f" / {r.qjax_prefill.median:.4f}"
+        s += f" (n={len(r.qjax.runs)}), eager {r.hf.median:.4f}"
+        if r.hf_prefill:
+            s += f" / {r.hf_prefill.median:.4f}"
+        s += f" (n={len(r.hf.runs)})"
+        if r.hf_default is not None:
+            s += f", default {r.hf_default.median:.4f}"
+            if r.hf_default_prefill:
+                s += f" / {r.hf_default_prefill.median:.4f}"
+            s += f" (n={len(r.hf_default.runs)})"
+        lines.append(s)
+    lines.append("```")
+    if meta.get("notes"):
+        lines += ["", *meta["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(text: str, path: str = RESULTS) -> None:
+    """Replace the section headed ``SECTION`` (up to the next ``## `` heading) or append it; keep everything else."""
+    old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    if not old.strip():
+        new = "# Benchmark results\n\n" + text
+    else:
+        pat = re.compile(r"^" + re.escape(SECTION) + r"[ \t]*\n.*?(?=^## |\Z)", re.M | re.S)
+        if pat.search(old):
+            new = pat.sub(lambda _: text + "\n", old, count=1).rstrip("\n") + "\n"
+        else:
+            new = old.rstrip("\n") + "\n\n" + text
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(new)
+
+
+def machine_meta(args) -> dict:
+    import flax
+    import jax
+    import jaxlib
+    import torch
+    import transformers
+
+    cpu, cores = platform.processor() or "?", "?"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        cpu = info.get("Model name", cpu)
+        cores = info.get("CPU(s)", cores)
+        if "Core(s) per socket" in info:
+            cores += f" (cores/socket {info['Core(s) per socket']}, threads/core {info.get('Thread(s) per core', '?')})"
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return dict(
+        date=subprocess.run(["date", "-u"], capture_output=True, text=True).stdout.strip()
+        or datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        cpu=cpu, cores=cores, nproc=os.cpu_count(), torch_threads=torch.get_num_threads(),
+        command="python " + " ".join(shlex.quote(a) for a in sys.argv),
+        jax=jax.__version__, jaxlib=jaxlib.__version__, backend=jax.default_backend(), flax=flax.__version__,
+        torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
+        method=(f"median of {args.repeats} runs after one warm-up call with the same shapes (transformers: ≥3 runs "
+                f"when a call takes > {args.slow_s:g}s); prefill = `model(ids, use_cache=True)` vs `qjax.extend` "
+                f"into a fresh cache; decode = generate({args.prompt}-token prompt, N new, greedy) − prefill of the "
+                f"prompt, tok/s = B·(N−1)/time; qjax compile = first call − steady median"),
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="tiny,mid")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/RESULTS.md alone")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the mid bf16 rows")
+    ap.add_argument("--hf-default", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time transformers' defaults (sdpa + grouped_mm)")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--mid-new-tokens", type=int, default=0, help="new tokens for mid (0: --new-tokens)")
+    ap.add_argument("--slow-s", type=float, default=5.0, help="transformers calls slower than this get ≥3 repeats")
+    args = ap.parse_args(argv)
+
+    import torch
+    torch.set_num_threads(2)
+    import transformers
+    transformers.logging.set_verbosity_error()
+
+    t_start = time.perf_counter()
+    rows: list[Row] = []
+    log = lambda s: print(s, flush=True)
+    for name in [c.strip() for c in args.configs.split(",") if c.strip()]:
+        dtypes = ["fp32"] + (["bf16"] if name == "mid" and not args.no_bf16 else [])
+        run_config(name, dtypes, args, rows, log)
+    meta = machine_meta(args)
+    notes = [f"Total benchmark wall time: {time.perf_counter() - t_start:.0f}s."]
+    tiny_dec = [r for r in rows if r.config == "tiny" and r.dtype == "fp32" and r.phase == "decode"]
+    if tiny_dec:
+        notes.append("Sanity: tiny fp32 greedy tokens, qjax vs transformers: "
+                     + ("MATCH" if all(r.extra.get("greedy") == "MATCH" for r in tiny_dec) else "MISMATCH")
+                     + " (asserted).")
+    meta["notes"] = notes
+    md = markdown(rows, meta, args.hf_default)
+    print("\n" + md)
+    if not args.no_write:
+        write_section(md)
+        print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Write a qjax model as a Hugging Face checkpoint folder (``qwen3_5_moe_text``) that transformers and qjax load.
+
+Key names come from :func:`qjax.loading.expected_tensors` — the loader's own map, read backwards — so writer and
+loader cannot drift. The folder is written next to the target under a temporary name and renamed at the end: a
+failed or interrupted write never leaves a half-written checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from qjax.loading import _leaf_shapes, expected_tensors
+from qjax.safetensors_io import INDEX_FILE_NAME, write_safetensors
+
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+
+def _variables(model) -> dict[tuple, jax.Array]:
+    return {tuple(p): (v.get_value() if hasattr(v, "get_value") else v.value)
+            for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def _all_per_expert(cfg, model) -> dict[str, bool]:
+    stems = {f"model.layers.{i}.": False for i in range(cfg.num_hidden_layers)}
+    if getattr(model, "mtp", None) is not None:
+        stems.update({f"mtp.layers.{i}.": False for i in range(max(1, cfg.mtp_num_hidden_layers))})
+    return stems
+
+
+def checkpoint_tensors(model, *, fused_experts: bool = False, dtype=None) -> list[tuple[str, int, Callable]]:
+    """Every checkpoint tensor as ``(hf_key, nbytes, get)``; ``get()`` pulls that one tensor to the host.
+
+    Args:
+      fused_experts: write ``mlp.experts.gate_up_proj``/``down_proj`` stacks (the official layout) instead of
+        transformers' per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``.
+      dtype: dtype of float tensors on disk (default: the model dtype; ``A_log``/``dt_bias``, fp32 in memory,
+        follow it like transformers' checkpoints do).
+    """
+    cfg = model.config
+    values = _variables(model)
+    targets = expected_tensors(cfg, _leaf_shapes(model),
+                               fused_experts={} if fused_experts else _all_per_expert(cfg, model),
+                               text_prefix="model.")
+    out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
+
+    def getter(t):
+        def get() -> np.ndarray:
+            arr = values[t.path]
+            lead = arr.ndim - len(t.shape)
+            index = tuple(t.start[:lead]) + tuple(slice(s, s + n) for s, n in zip(t.start[lead:], t.shape))
+            host = np.asarray(arr[index])
+            return host.astype(out_dtype) if host.dtype != out_dtype and host.dtype.kind in "fV" else host
+        return get
+
+    out = []
+    for key in sorted(targets):
+        t = targets[key]
+        kind = np.dtype(values[t.path].dtype)
+        itemsize = out_dtype.itemsize if kind.kind in "fV" else kind.itemsize
+        out.append((key, int(np.prod(t.shape)) * itemsize, getter(t)))
+    return out
+
+
+def save_pretrained(model, out_dir: str | os.PathLike, *, dtype=None, fused_experts: bool = False,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+                    extra_files: Iterable[str] = ()) -> str:
+    """Write ``model`` to ``out_dir`` as config.json + generation_config.json + safetensors (+ index when sharded).
+
+    Args:
+      extra_files: paths copied into the folder as they are (tokenizer.json, tokenizer_config.json, …).
+      overwrite: replace an existing ``out_dir`` (the old folder is removed only after the new one is complete).
+    Returns:
+      ``out_dir`` as a string.
+    """
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        _write_folder(model, tmp, dtype=dtype, fused_experts=fused_experts, max_shard_bytes=max_shard_bytes,
+                      extra_files=extra_files)
+        if os.path.exists(out_dir):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.rename(out_dir, os.path.join(old, "previous"))
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_folder(model, folder, *, dtype, fused_experts, max_shard_bytes, extra_files) -> None:
+    cfg = model.config
+    out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
+    hf_cfg = cfg.to_hf_dict()
+    hf_cfg["dtype"] = out_dtype.name
+    if getattr(model, "mtp", None) is not None:
+        hf_cfg["mtp_num_hidden_layers"] = max(1, cfg.mtp_num_hidden_layers)
+    _write_json(os.path.join(folder, "config.json"), hf_cfg)
+    gc = getattr(model, "generation_config", None)
+    gen: dict = {"do_sample": False}
+    if gc is not None:
+        gen["do_sample"] = gc.do_sample
+        # only non-default warpers: transformers warns about top_k = 0 and friends
+        if gc.temperature != 1.0:
+            gen["temperature"] = gc.temperature
+        if gc.top_k:
+            gen["top_k"] = gc.top_k
+        if gc.top_p < 1.0:
+            gen["top_p"] = gc.top_p
+        if gc.eos_token_id:
+            gen["eos_token_id"] = list(gc.eos_token_id)
+        if gc.pad_token_id is not None:
+            gen["pad_token_id"] = gc.pad_token_id
+    _write_json(os.path.join(folder, "generation_config.json"), gen)
+
+    tensors = checkpoint_tensors(model, fused_experts=fused_experts, dtype=out_dtype)
+    plan: list[list[tuple[str, int, Callable]]] = [[]]
+    size = 0
+    for item in tensors:
+        if plan[-1] and size + item[1] > max_shard_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append(item)
+        size += item[1]
+    n = len(plan)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for name, items in zip(names, plan):
+        # one shard at a time on the host
+        write_safetensors(os.path.join(folder, name), {k: get() for k, _, get in items}, metadata={"format": "pt"})
+    if n > 1:
+        weight_map = {k: name for name, items in zip(names, plan) for k, _, _ in items}
+        _write_json(os.path.join(folder, INDEX_FILE_NAME),
+                    {"metadata": {"total_size": sum(b for _, b, _ in tensors)}, "weight_map": weight_map})
+    for src in extra_files:
+        shutil.copyfile(src, os.path.join(folder, os.path.basename(src)))
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
