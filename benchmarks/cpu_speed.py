@@ -89,19 +89,33 @@ class Timing:
         return None if self.first is None else max(self.first - self.median, 0.0)
 
 
-def bench(fn, repeats: int, slow_s: float = 1e9, min_repeats: int = 3) -> Timing:
-    """One warm-up call (timed separately), then ``repeats`` timed calls; fewer (≥ min_repeats) when slow."""
-    t0 = time.perf_counter()
-    fn()
-    first = time.perf_counter() - t0
-    runs: list[float] = []
-    while len(runs) < repeats:
+def bench(fns: dict, repeats: int, slow_s: float = 1e9, min_repeats: int = 3) -> dict[str, Timing]:
+    """Time several callables against each other: one warm-up call each (timed separately), then ``repeats``
+    interleaved rounds (a, b, c, a, b, c, …) so that a burst of load from other processes hits every contender
+    alike. A callable whose calls average over ``slow_s`` stops after ``min_repeats`` rounds."""
+    first, runs = {}, {k: [] for k in fns}
+    for k, fn in fns.items():
         t0 = time.perf_counter()
         fn()
-        runs.append(time.perf_counter() - t0)
-        if len(runs) >= min_repeats and sum(runs) / len(runs) > slow_s:
-            break
-    return Timing(statistics.median(runs), runs, first)
+        first[k] = time.perf_counter() - t0
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            r = runs[k]
+            if len(r) >= min_repeats and sum(r) / len(r) > slow_s:
+                continue
+            t0 = time.perf_counter()
+            fn()
+            r.append(time.perf_counter() - t0)
+    return {k: Timing(statistics.median(r), r, first[k]) for k, r in runs.items()}
+
+
+def cpu_steal() -> tuple[int, int] | None:
+    """(steal, total) jiffies from /proc/stat: time the hypervisor gave this VM's CPUs to someone else."""
+    try:
+        f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        return f[7], sum(f)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass
@@ -175,6 +189,14 @@ def run_config(name: str, dtypes: list[str], args, rows: list[Row], log) -> None
             jax.clear_caches()
 
 
+def new_cache(model, batch: int, max_len: int):
+    """An empty qjax generation cache (``model.init_cache`` where it exists, else ``Cache.init``)."""
+    import qjax
+    if hasattr(model, "init_cache"):
+        return model.init_cache(batch, max_len)
+    return qjax.Cache.init(model.config, batch, max_len, model.dtype)
+
+
 def bench_model(name, dtype_name, hf, hf_def, model, vocab, args, log) -> list[Row]:
     import jax
     import torch
@@ -193,7 +215,7 @@ def bench_model(name, dtype_name, hf, hf_def, model, vocab, args, log) -> list[R
 
     def qjax_prefill_fn(ids_j, max_len):
         def f():
-            cache = qjax.Cache.init(model.config, ids_j.shape[0], max_len, model.dtype)
+            cache = new_cache(model, ids_j.shape[0], max_len)
             jax.block_until_ready(cache)
             logits, cache = qjax.extend(model, cache, ids_j)
             jax.block_until_ready((logits, cache))
@@ -204,15 +226,16 @@ def bench_model(name, dtype_name, hf, hf_def, model, vocab, args, log) -> list[R
     for b, t in ((1, 512), (4, 128)):
         ids = rng.integers(0, vocab, (b, t), dtype=np.int64)
         ids_t, ids_j = torch.from_numpy(ids), jax.numpy.asarray(ids, jax.numpy.int32)
-        tq = bench(qjax_prefill_fn(ids_j, t), reps)
-        th = bench(hf_prefill_fn(hf, ids_t), reps, slow)
-        td = bench(hf_prefill_fn(hf_def, ids_t), reps, slow) if hf_def is not None else None
-        row = Row(name, dtype_name, "prefill", f"{b}×{t}", b * t, tq, th, td)
+        fns = {"qjax": qjax_prefill_fn(ids_j, t), "hf": hf_prefill_fn(hf, ids_t)}
+        if hf_def is not None:
+            fns["hf_default"] = hf_prefill_fn(hf_def, ids_t)
+        tm = bench(fns, reps, slow)
+        row = Row(name, dtype_name, "prefill", f"{b}×{t}", b * t, tm["qjax"], tm["hf"], tm.get("hf_default"))
         if dtype_name == "fp32":
             # same logits? (a cheap plausibility check, not a parity test)
             with torch.no_grad():
                 ref = hf(ids_t).logits.float().numpy()
-            got = np.asarray(qjax_prefill_fn(ids_j, t)(), np.float32)
+            got = np.asarray(fns["qjax"](), np.float32)
             row.extra["max|Δlogits|"] = float(np.max(np.abs(got - ref)))
         rows.append(row)
         log(_fmt_row(row))
@@ -238,15 +261,13 @@ def bench_model(name, dtype_name, hf, hf_def, model, vocab, args, log) -> list[R
                 return out[key]
             return f
 
-        tq = bench(qjax_gen, reps)
-        tqp = bench(qjax_prefill_fn(ids_j, p + n_new), reps)
-        th = bench(hf_gen_fn(hf, "hf"), reps, slow)
-        thp = bench(hf_prefill_fn(hf, ids_t), reps, slow)
-        td = tdp = None
+        fns = {"qjax": qjax_gen, "qjax_p": qjax_prefill_fn(ids_j, p + n_new),
+               "hf": hf_gen_fn(hf, "hf"), "hf_p": hf_prefill_fn(hf, ids_t)}
         if hf_def is not None:
-            td = bench(hf_gen_fn(hf_def, "hf_default"), reps, slow)
-            tdp = bench(hf_prefill_fn(hf_def, ids_t), reps, slow)
-        row = Row(name, dtype_name, "decode", f"{b}×{n_new} (prompt {p})", b * (n_new - 1), tq, th, td, tqp, thp, tdp)
+            fns.update(hf_default=hf_gen_fn(hf_def, "hf_default"), hf_default_p=hf_prefill_fn(hf_def, ids_t))
+        tm = bench(fns, reps, slow)
+        row = Row(name, dtype_name, "decode", f"{b}×{n_new} (prompt {p})", b * (n_new - 1), tm["qjax"], tm["hf"],
+                  tm.get("hf_default"), tm["qjax_p"], tm["hf_p"], tm.get("hf_default_p"))
         assert out["qjax"].shape == (b, p + n_new), out["qjax"].shape
         assert out["hf"].shape == (b, p + n_new), out["hf"].shape
         same = np.array_equal(out["qjax"], out["hf"])
@@ -254,6 +275,7 @@ def bench_model(name, dtype_name, hf, hf_def, model, vocab, args, log) -> list[R
         row.extra["greedy"] = "MATCH" if same else f"differ ({agree:.0%} of new tokens equal)"
         if name == "tiny" and dtype_name == "fp32":
             assert same, f"tiny fp32 greedy tokens differ: qjax {out['qjax'][:, p:]} vs transformers {out['hf'][:, p:]}"
+            log("tiny fp32 greedy tokens qjax == transformers: MATCH")
         rows.append(row)
         log(_fmt_row(row))
     return rows
@@ -290,6 +312,7 @@ def markdown(rows: list[Row], meta: dict, with_default: bool) -> str:
              f"- date: {meta['date']}",
              f"- machine: {meta['cpu']}, {meta['cores']} cores (`nproc` {meta['nproc']}); torch threads {meta['torch_threads']}",
              f"- command: `{meta['command']}`",
+             f"- qjax: commit {meta['git']}",
              f"- versions: jax {meta['jax']} (jaxlib {meta['jaxlib']}, backend {meta['backend']}), flax {meta['flax']}, "
              f"torch {meta['torch']}, transformers {meta['transformers']}, python {meta['python']}",
              f"- method: {meta['method']}",
@@ -352,6 +375,24 @@ def write_section(text: str, path: str = RESULTS) -> None:
         f.write(new)
 
 
+def git_state() -> str:
+    """Which qjax was measured: its folder, and when that is this repository's, the commit and whether the sources
+    differ from it (uncommitted edits are measured too)."""
+    import qjax
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.dirname(os.path.abspath(qjax.__file__))
+    if os.path.commonpath([root, src]) != root:
+        return f"imported from {src} (not this checkout)"
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "qjax", "kernels", "convert"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "this checkout (git unavailable)"
+    return head + (f" + uncommitted changes in {len(dirty.splitlines())} qjax source files" if dirty else "")
+
+
 def machine_meta(args) -> dict:
     import flax
     import jax
@@ -375,10 +416,11 @@ def machine_meta(args) -> dict:
         or datetime.datetime.now(datetime.timezone.utc).isoformat(),
         cpu=cpu, cores=cores, nproc=os.cpu_count(), torch_threads=torch.get_num_threads(),
         command="python " + " ".join(shlex.quote(a) for a in sys.argv),
+        git=git_state(),
         jax=jax.__version__, jaxlib=jaxlib.__version__, backend=jax.default_backend(), flax=flax.__version__,
         torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
-        method=(f"median of {args.repeats} runs after one warm-up call with the same shapes (transformers: ≥3 runs "
-                f"when a call takes > {args.slow_s:g}s); prefill = `model(ids, use_cache=True)` vs `qjax.extend` "
+        method=(f"median of {args.repeats} interleaved runs (qjax, transformers, … in turn) after one warm-up call "
+                f"each with the same shapes (transformers: ≥3 runs when a call takes > {args.slow_s:g}s); prefill = `model(ids, use_cache=True)` vs `qjax.extend` "
                 f"into a fresh cache; decode = generate({args.prompt}-token prompt, N new, greedy) − prefill of the "
                 f"prompt, tok/s = B·(N−1)/time; qjax compile = first call − steady median"),
     )
@@ -403,14 +445,18 @@ def main(argv=None) -> int:
     import transformers
     transformers.logging.set_verbosity_error()
 
-    t_start = time.perf_counter()
+    t_start, steal0, load0 = time.perf_counter(), cpu_steal(), os.getloadavg()
     rows: list[Row] = []
     log = lambda s: print(s, flush=True)
     for name in [c.strip() for c in args.configs.split(",") if c.strip()]:
         dtypes = ["fp32"] + (["bf16"] if name == "mid" and not args.no_bf16 else [])
         run_config(name, dtypes, args, rows, log)
     meta = machine_meta(args)
-    notes = [f"Total benchmark wall time: {time.perf_counter() - t_start:.0f}s."]
+    steal1 = cpu_steal()
+    contention = f"load average at start {load0[0]:.2f}, at end {os.getloadavg()[0]:.2f}"
+    if steal0 and steal1 and steal1[1] > steal0[1]:
+        contention += f"; CPU steal during the run {100 * (steal1[0] - steal0[0]) / (steal1[1] - steal0[1]):.1f}%"
+    notes = [f"Total benchmark wall time: {time.perf_counter() - t_start:.0f}s ({contention})."]
     tiny_dec = [r for r in rows if r.config == "tiny" and r.dtype == "fp32" and r.phase == "decode"]
     if tiny_dec:
         notes.append("Sanity: tiny fp32 greedy tokens, qjax vs transformers: "

@@ -29,7 +29,7 @@ def _variables(model) -> dict[tuple, jax.Array]:
 
 
 def _all_per_expert(cfg, model) -> dict[str, bool]:
-    stems = {f"model.layers.{i}.": False for i in range(cfg.num_hidden_layers)}
+    stems = {f"model.layers.{i}.": False for i in range(cfg.num_hidden_layers)}  # transformers writes per expert
     if getattr(model, "mtp", None) is not None:
         stems.update({f"mtp.layers.{i}.": False for i in range(max(1, cfg.mtp_num_hidden_layers))})
     return stems
@@ -46,7 +46,7 @@ def checkpoint_tensors(model, *, fused_experts: bool = False, dtype=None) -> lis
     """
     cfg = model.config
     values = _variables(model)
-    targets = expected_tensors(cfg, _leaf_shapes(model),
+    targets = expected_tensors(model, _leaf_shapes(model),
                                fused_experts={} if fused_experts else _all_per_expert(cfg, model),
                                text_prefix="model.")
     out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)

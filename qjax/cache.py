@@ -41,13 +41,16 @@ class Cache:
         return self.key_valid.shape[0]
 
     @classmethod
-    def init(cls, cfg: TextConfig, batch: int, max_len: int, dtype) -> "Cache":
-        g = cfg.num_groups
+    def init(cls, cfg: TextConfig, layer_kinds: tuple[str, ...], batch: int, max_len: int, dtype,
+             kv_dtype=None) -> "Cache":
+        """Empty cache for a model whose repeating layer group is ``layer_kinds`` (use ``model.init_cache``)."""
+        g = cfg.num_hidden_layers // len(layer_kinds)
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
         slots = []
-        for kind in cfg.layer_period:
+        for kind in layer_kinds:
             if kind == FULL:
                 shape = (g, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-                slots.append(KVState(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
+                slots.append(KVState(k=jnp.zeros(shape, kv_dtype), v=jnp.zeros(shape, kv_dtype)))
             else:
                 conv = jnp.zeros((g, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype)
                 rec = jnp.zeros((g, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,

@@ -229,7 +229,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens):
         raise ValueError("attention_mask must be left-padded (zeros before ones in every row)")
     if np.any(mask[:, -1] == 0):
         raise ValueError("every row needs at least one real token at the end (left padding)")
-    cache = Cache.init(model.config, ids.shape[0], ids.shape[1] + max_new_tokens, model.dtype)
+    cache = model.init_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
     return jnp.asarray(ids, jnp.int32), jnp.asarray(mask), cache
 
 

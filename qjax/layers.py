@@ -71,10 +71,14 @@ class GatedRMSNorm(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU MLP ``down(silu(gate(x)) · up(x))`` (the shared expert)."""
 
-    def __init__(self, hidden: int, intermediate: int, *, dtype, std: float, rngs: nnx.Rngs | None):
-        self.gate_proj = Linear(hidden, intermediate, dtype=dtype, std=std, rngs=rngs)
-        self.up_proj = Linear(hidden, intermediate, dtype=dtype, std=std, rngs=rngs)
-        self.down_proj = Linear(intermediate, hidden, dtype=dtype, std=std, rngs=rngs)
+    def __init__(self, hidden: int, intermediate: int, *, dtype, std: float, rngs: nnx.Rngs | None,
+                 quant: dict | None = None, prefix: str = ""):
+        from .model import make_linear
+
+        lin = lambda name, i, o: make_linear(prefix + name, i, o, quant or {}, dtype=dtype, std=std, rngs=rngs)
+        self.gate_proj = lin("gate_proj", hidden, intermediate)
+        self.up_proj = lin("up_proj", hidden, intermediate)
+        self.down_proj = lin("down_proj", intermediate, hidden)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -24,6 +24,9 @@ import numpy as np
 from flax import nnx
 
 from .config import TextConfig
+from .loading_quant import plan_quantization
+from .quant.config import QuantizationConfig
+from .quant.packing import unpack_zero_point
 from .generate import GenerationConfig
 from .model import Qwen3_5MoeForCausalLM, abstract_model
 from .safetensors_io import SafetensorsFile, list_checkpoint_files
@@ -39,13 +42,19 @@ class LoadError(ValueError):
     """A checkpoint that does not match the model: lists every missing, unexpected and mis-shaped tensor."""
 
 
+FLOAT = ("F32", "BF16", "F16", "F64")
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """Where one checkpoint tensor goes: a model variable, the offset inside it, and the shape it must have."""
 
-    path: tuple  # nnx state path, e.g. ('groups', 'layers', 0, 'mlp', 'experts', 'gate_up_proj')
-    start: tuple[int, ...]  # offset of the tensor inside the variable (leading dims it does not have are 1)
-    shape: tuple[int, ...]  # the tensor's own shape on disk
+    path: tuple | None  # nnx state path, e.g. ('groups', 'layers', 0, 'mlp', 'experts', 'gate_up_proj'); None: check only
+    start: tuple[int, ...]  # offset inside the variable (leading stacked dims included)
+    shape: tuple[int, ...]  # the tensor's shape on disk
+    dtypes: tuple[str, ...] = FLOAT  # safetensors dtypes accepted on disk
+    transform: str | None = None  # None (copy/cast) | "zero_point" (unpack along rows) | "kv_scale" | "weight_shape"
+    info: tuple = ()  # transform arguments: zero_point (bits, rows); kv_scale (heads,); weight_shape (out, in)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -56,29 +65,45 @@ def _leaf_shapes(model: nnx.Module) -> dict[tuple, jax.ShapeDtypeStruct]:
             for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
-def expected_tensors(cfg: TextConfig, leaves: dict[tuple, jax.ShapeDtypeStruct], *, fused_experts: dict[str, bool],
+def _metas(model: nnx.Module) -> dict[tuple, object]:
+    """Static QuantMeta of every packed weight module, by module path (group axis dropped)."""
+    metas = {}
+    for path, node in nnx.iter_graph(model):
+        meta = getattr(node, "meta", None)
+        if meta is not None and hasattr(node, "weight_packed"):
+            metas[tuple(path)] = meta
+    return metas
+
+
+def expected_tensors(model, leaves: dict[tuple, jax.ShapeDtypeStruct], *, fused_experts: dict[str, bool],
                      text_prefix: str) -> dict[str, Target]:
-    """Every checkpoint key the model needs, with its target.
+    """Every checkpoint key ``model`` needs, with its target (the single map loader and writer share).
 
     ``fused_experts`` maps a layer's key stem (``"{text_prefix}layers.3."`` or ``"mtp.layers.0."``) to whether that
-    layer stores its experts fused; stems not in it default to fused.
+    layer stores its experts fused; stems not in it default to fused (dense experts only: quantized experts are
+    always per expert on disk).
     """
-    period = len(cfg.layer_period)
+    cfg = model.config
+    period = len(model.layer_kinds)
+    metas = _metas(model)
     out: dict[str, Target] = {}
     for path, leaf in leaves.items():
         shape = tuple(leaf.shape)
+        meta = metas.get(path[:-1])
         if path[0] == "groups":
             slot, rest = path[2], path[3:]
-            for g in range(cfg.num_groups):
+            for g in range(model.num_groups):
                 stem = f"{text_prefix}layers.{g * period + slot}."
-                _add_layer_keys(out, stem, rest, path, (g,), shape[1:], fused_experts.get(stem, True))
+                _add_layer_keys(out, stem, rest, path, (g,), shape[1:], fused_experts.get(stem, True), meta)
         elif path[0] == "mtp" and path[1] == "layers":
             stem = f"mtp.layers.{path[2]}."
-            _add_layer_keys(out, stem, path[3:], path, (), shape, fused_experts.get(stem, True))
+            _add_layer_keys(out, stem, path[3:], path, (), shape, fused_experts.get(stem, True), meta)
         elif path[0] == "mtp":
             out["mtp." + ".".join(map(str, path[1:]))] = Target(path, (0,) * len(shape), shape)
         elif path == ("embed_tokens",):
             out[text_prefix + "embed_tokens.weight"] = Target(path, (0, 0), shape)
+        elif path[0] == "lm_head" and meta is not None:
+            _quant_keys(out, "lm_head", path[-1], path, (), 0, meta.out_features, shape[-1], meta)
         elif path[0] == "lm_head":
             out["lm_head.weight"] = Target(path, (0, 0), shape)
         else:
@@ -86,20 +111,65 @@ def expected_tensors(cfg: TextConfig, leaves: dict[tuple, jax.ShapeDtypeStruct],
     return out
 
 
-def _add_layer_keys(out, stem, rest, path, lead, shape, fused):
-    """Keys of one decoder-layer variable. ``lead`` is the stacked-group offset (``(g,)`` or ``()``)."""
-    name = ".".join(map(str, rest))
-    if rest[-2:] == ("experts", "gate_up_proj") and not fused:
+def _quant_keys(out, name: str, field: str, path: tuple, lead: tuple[int, ...], row0: int, rows: int, cols: int,
+                meta) -> None:
+    """Keys of one field of a packed linear ``name`` stored at ``variable[*lead, row0:row0+rows, :cols]``."""
+    start = (*lead, row0, 0)
+    if field == "weight_packed":
+        if meta.fmt == "mxfp8":
+            out[f"{name}.weight"] = Target(path, start, (rows, cols), ("F8_E4M3",))
+        else:
+            out[f"{name}.weight_packed"] = Target(path, start, (rows, cols), ("I32",))
+            out[f"{name}.weight_shape"] = Target(None, (), (2,), ("I64", "I32"), "weight_shape",
+                                                 (rows, meta.in_features))
+    elif field == "weight_scale":
+        dtypes = ("U8",) if meta.fmt == "mxfp8" else FLOAT
+        if meta.strategy == "tensor":
+            out[f"{name}.weight_scale"] = Target(path, (*lead, 0, 0), (1,), dtypes)
+        else:
+            out[f"{name}.weight_scale"] = Target(path, start, (rows, cols), dtypes)
+    elif field == "weight_zero_point":
+        out[f"{name}.weight_zero_point"] = Target(path, start, (-(-rows * meta.bits // 32), cols), ("I32",),
+                                                  "zero_point", (meta.bits, rows))
+    else:
+        raise AssertionError(field)
+
+
+def _add_layer_keys(out, stem, rest, path, lead, shape, fused, meta):
+    """Keys of one decoder-layer variable of shape ``shape`` (group axis removed); ``lead`` = ``(g,)`` or ``()``."""
+    name = stem + ".".join(map(str, rest[:-1]))
+    field = rest[-1]
+    if field in ("k_scale", "v_scale"):
+        out[name + "." + field] = Target(path, (*lead, 0), (None,), FLOAT, "kv_scale", shape)
+        return
+    experts = rest[:2] == ("mlp", "experts")
+    if experts and meta is not None:  # quantized experts: always per expert on disk
+        proj, cols = rest[2], shape[-1]
+        for e in range(shape[0]):
+            if proj == "gate_up_proj":
+                half = meta.out_features // 2
+                for i, sub in enumerate(("gate_proj", "up_proj")):
+                    _quant_keys(out, f"{stem}mlp.experts.{e}.{sub}", field, path, (*lead, e), i * half, half, cols,
+                                meta)
+            else:
+                _quant_keys(out, f"{stem}mlp.experts.{e}.down_proj", field, path, (*lead, e), 0, meta.out_features,
+                            cols, meta)
+        return
+    if experts and field == "gate_up_proj" and not fused:
         e, two_i, h = shape
         for x in range(e):
             out[f"{stem}mlp.experts.{x}.gate_proj.weight"] = Target(path, (*lead, x, 0, 0), (two_i // 2, h))
             out[f"{stem}mlp.experts.{x}.up_proj.weight"] = Target(path, (*lead, x, two_i // 2, 0), (two_i // 2, h))
-    elif rest[-2:] == ("experts", "down_proj") and not fused:
+        return
+    if experts and field == "down_proj" and not fused:
         e, h, i = shape
         for x in range(e):
             out[f"{stem}mlp.experts.{x}.down_proj.weight"] = Target(path, (*lead, x, 0, 0), (h, i))
-    else:
-        out[stem + name] = Target(path, (*lead, *([0] * len(shape))), shape)
+        return
+    if meta is not None:
+        _quant_keys(out, name, field, path, lead, 0, meta.out_features, shape[-1], meta)
+        return
+    out[stem + ".".join(map(str, rest))] = Target(path, (*lead, *([0] * len(shape))), shape)
 
 
 _EXPERT_STEM = re.compile(r"^(.*layers\.\d+\.)mlp\.experts\.(gate_up_proj|down_proj|\d+\.)")
@@ -124,8 +194,15 @@ def _write(buf: jnp.ndarray, value: jnp.ndarray, start: jnp.ndarray) -> jnp.ndar
 
 
 def _host_cast(arr: np.ndarray, dtype) -> np.ndarray:
+    """Float tensors take the model's dtype; packed integers, float8 values and E8M0 bytes are kept bit for bit."""
     dtype = np.dtype(dtype)
-    return arr if arr.dtype == dtype else arr.astype(dtype)
+    if arr.dtype == dtype:
+        return arr
+    if arr.dtype.kind in "iub" or dtype.kind in "iub" or "float8" in arr.dtype.name or "float8" in dtype.name:
+        if arr.dtype.itemsize != dtype.itemsize:
+            raise AssertionError(f"refusing to convert {arr.dtype} to {dtype}")
+        return arr.view(dtype)
+    return arr.astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -187,16 +264,17 @@ def load_model(path: str | os.PathLike, *, dtype=None) -> Qwen3_5MoeForCausalLM:
     """
     path = os.fspath(path)
     cfg = TextConfig.from_file(path)
+    qc = QuantizationConfig.from_config_json(os.path.join(path, "config.json"))
     ckpt = Checkpoint(path)
     try:
-        model = _load(cfg, ckpt, dtype)
+        model = _load(cfg, qc, ckpt, dtype)
     finally:
         ckpt.close()
     model.generation_config = GenerationConfig.from_folder(path)
     return model
 
 
-def _load(cfg: TextConfig, ckpt: Checkpoint, dtype) -> Qwen3_5MoeForCausalLM:
+def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype) -> Qwen3_5MoeForCausalLM:
     keys = ckpt.keys()
     prefix = _text_prefix(keys)
     skipped = [k for k in keys if k.startswith(SKIPPED_PREFIXES)]
@@ -205,16 +283,21 @@ def _load(cfg: TextConfig, ckpt: Checkpoint, dtype) -> Qwen3_5MoeForCausalLM:
                        ckpt.folder, len(skipped))
     with_mtp = any(k.startswith("mtp.") for k in keys)
     dtype = jnp.dtype(dtype) if dtype is not None else _default_dtype(ckpt, cfg, prefix)
-    model = abstract_model(cfg, dtype=dtype, with_mtp=with_mtp)
+    quant = plan_quantization(cfg, qc, set(keys), ckpt.dtype, text_prefix=prefix,
+                              source=os.path.join(ckpt.folder, "config.json"))
+    model = abstract_model(cfg, dtype=dtype, with_mtp=with_mtp, quant=quant)
     leaves = _leaf_shapes(model)
-    targets = expected_tensors(cfg, leaves, fused_experts=_expert_layouts(keys), text_prefix=prefix)
+    targets = expected_tensors(model, leaves, fused_experts=_expert_layouts(keys), text_prefix=prefix)
     _check(ckpt, targets, set(skipped))
 
     buffers: dict[tuple, jnp.ndarray] = {}
     for key in _ordered(ckpt, targets):
         t = targets[key]
+        arr = _transform(ckpt, key, t)
+        if t.path is None:
+            continue
         leaf = leaves[t.path]
-        arr = _host_cast(ckpt.get(key), leaf.dtype)
+        arr = _host_cast(arr, leaf.dtype)
         if tuple(arr.shape) == tuple(leaf.shape):
             buffers[t.path] = jax.device_put(arr)
             continue
@@ -229,6 +312,25 @@ def _load(cfg: TextConfig, ckpt: Checkpoint, dtype) -> Qwen3_5MoeForCausalLM:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def _transform(ckpt: Checkpoint, key: str, t: Target) -> np.ndarray | None:
+    """The on-disk tensor in the layout of its model variable (zero points unpacked, KV scales per head)."""
+    arr = ckpt.get(key)
+    if t.transform is None:
+        return arr
+    if t.transform == "zero_point":
+        bits, rows = t.info
+        return unpack_zero_point(np.asarray(arr), bits, rows).astype(np.int8)
+    if t.transform == "kv_scale":
+        (heads,) = t.info
+        return np.broadcast_to(np.asarray(arr, np.float32).reshape(-1), (heads,)).copy()
+    if t.transform == "weight_shape":
+        if [int(v) for v in np.asarray(arr).reshape(-1)] != list(t.info):
+            raise LoadError(f"{ckpt.folder}: {key} [{ckpt.file_of(key)}] says {np.asarray(arr).tolist()}, but the "
+                            f"model needs {list(t.info)}")
+        return None
+    raise AssertionError(t.transform)
+
+
 def _ordered(ckpt: Checkpoint, targets: dict[str, Target]) -> Iterator[str]:
     """Keys file by file, in on-disk order, so reads walk each mmap sequentially."""
     for f in ckpt.files:
@@ -241,8 +343,15 @@ def _check(ckpt: Checkpoint, targets: dict[str, Target], skipped: set[str]) -> N
     present = set(ckpt.keys())
     missing = sorted(set(targets) - present)
     unexpected = sorted(present - set(targets) - skipped)
-    misshaped = [k for k in sorted(present & set(targets)) if ckpt.shape(k) != targets[k].shape]
-    wrong_kind = [k for k in sorted(present & set(targets)) if ckpt.dtype(k) not in _FLOAT_DTYPES]
+
+    def shape_ok(k):
+        t = targets[k]
+        if t.transform == "kv_scale":
+            return ckpt.shape(k) in ((1,), (t.info[0],))
+        return ckpt.shape(k) == t.shape
+
+    misshaped = [k for k in sorted(present & set(targets)) if not shape_ok(k)]
+    wrong_kind = [k for k in sorted(present & set(targets)) if ckpt.dtype(k) not in targets[k].dtypes]
     if not (missing or unexpected or misshaped or wrong_kind):
         return
     lines = [f"checkpoint {ckpt.folder} does not match the model its config.json describes:"]
@@ -252,9 +361,56 @@ def _check(ckpt: Checkpoint, targets: dict[str, Target], skipped: set[str]) -> N
         lines.append(f"  unexpected ({len(unexpected)}): " +
                      ", ".join(f"{k} [{ckpt.file_of(k)}]" for k in unexpected))
     for k in misshaped:
-        lines.append(f"  wrong shape: {k} [{ckpt.file_of(k)}] is {list(ckpt.shape(k))}, "
-                     f"expected {list(targets[k].shape)}")
+        want = list(targets[k].shape) if targets[k].transform != "kv_scale" else f"[1] or [{targets[k].info[0]}]"
+        lines.append(f"  wrong shape: {k} [{ckpt.file_of(k)}] is {list(ckpt.shape(k))}, expected {want}")
     for k in wrong_kind:
-        lines.append(f"  not a float tensor: {k} [{ckpt.file_of(k)}] is {ckpt.dtype(k)} "
-                     "(quantized checkpoints need a quantization_config)")
+        what = "a float tensor" if targets[k].dtypes == FLOAT else " or ".join(targets[k].dtypes)
+        lines.append(f"  wrong dtype: {k} [{ckpt.file_of(k)}] is {ckpt.dtype(k)}, expected {what}"
+                     + (" (quantized checkpoints need a quantization_config)" if targets[k].dtypes == FLOAT else ""))
     raise LoadError("\n".join(lines))
+
+
+def module_weight(model, name: str, *, text_prefix: str = "model.") -> np.ndarray:
+    """The float32 ``[out, in]`` weight of the linear module ``name`` (checkpoint naming, e.g.
+    ``model.layers.3.mlp.experts.7.down_proj``): dense weights as stored, quantized ones dequantized.
+
+    For research and tests (compare a module against another implementation); not used on the forward path.
+    """
+    from .kernels import dequantize
+
+    leaves = _leaf_shapes(model)
+    targets = expected_tensors(model, leaves, fused_experts=_all_per_expert_stems(model), text_prefix=text_prefix)
+    values = {tuple(p): (v.get_value() if hasattr(v, "get_value") else v.value)
+              for p, v in nnx.to_flat_state(nnx.state(model))}
+    if f"{name}.weight" in targets and targets[f"{name}.weight"].dtypes != ("F8_E4M3",):
+        t = targets[f"{name}.weight"]
+        arr = values[t.path]
+        lead = arr.ndim - len(t.shape)
+        idx = tuple(t.start[:lead]) + tuple(slice(s, s + n) for s, n in zip(t.start[lead:], t.shape))
+        return np.asarray(arr[idx], np.float32)
+    key = f"{name}.weight_packed" if f"{name}.weight_packed" in targets else f"{name}.weight"
+    if key not in targets:
+        raise KeyError(f"no linear module named {name!r} in this model")
+    t = targets[key]
+    module = model
+    for p in t.path[:-1]:
+        module = module[p] if isinstance(p, int) else getattr(module, p)
+    meta = module.meta
+    packed, scale, zero = module.arrays()
+    lead = tuple(t.start[:-2])
+    rows = slice(t.start[-2], t.start[-2] + t.shape[0])
+    pick = lambda a: None if a is None else a[lead]
+    p_, s_, z_ = pick(packed)[rows], pick(scale), pick(zero)
+    if meta.strategy != "tensor":
+        s_ = s_[rows]
+        z_ = None if z_ is None else z_[rows]
+    import dataclasses as _dc
+    sub = _dc.replace(meta, out_features=t.shape[0])
+    return np.asarray(dequantize(p_, s_, z_, sub, jnp.float32))
+
+
+def _all_per_expert_stems(model) -> dict[str, bool]:
+    stems = {f"{p}layers.{i}.": False for p in ("model.", "model.language_model.")
+             for i in range(model.config.num_hidden_layers)}
+    stems.update({f"mtp.layers.{i}.": False for i in range(4)})
+    return stems

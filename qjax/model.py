@@ -22,7 +22,19 @@ from .cache import Cache, GDNState, KVState
 from .config import FULL, LINEAR, TextConfig
 from .layers import GatedRMSNorm, Linear, RMSNorm, _normal
 from .moe import SparseMoeBlock
+from .quant.layers import Packed, QuantLinear, fake_quant_fp8, quantize_fp8
+from .quant.spec import ModelQuant
 from .rope import apply_rope, rope_cos_sin
+
+
+def make_linear(name: str, d_in: int, d_out: int, quant: dict, *, dtype, std: float, rngs: nnx.Rngs | None):
+    """A dense :class:`Linear`, or a :class:`QuantLinear` when ``quant`` (relative name → QuantMeta) lists ``name``."""
+    meta = quant.get(name)
+    if meta is None:
+        return Linear(d_in, d_out, dtype=dtype, std=std, rngs=rngs)
+    if (meta.out_features, meta.in_features) != (d_out, d_in):
+        raise ValueError(f"{name}: quantized shape {[meta.out_features, meta.in_features]} != {[d_out, d_in]}")
+    return QuantLinear(meta)
 
 
 @struct.dataclass
@@ -41,16 +53,24 @@ class StepContext:
 # Gated full attention (MODEL.md §2.3)
 # ---------------------------------------------------------------------------------------------------------------------
 class GatedAttention(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None):
-        h, std = cfg.hidden_size, cfg.initializer_range
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None,
+                 kv_fp8: bool = False):
+        h, std, quant = cfg.hidden_size, cfg.initializer_range, quant or {}
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        lin = functools.partial(make_linear, quant=quant, dtype=dtype, std=std, rngs=rngs)
         # q_proj rows are head-major [h0 query | h0 gate | h1 query | h1 gate | …]
-        self.q_proj = Linear(h, 2 * self.num_heads * self.head_dim, dtype=dtype, std=std, rngs=rngs)
-        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, dtype=dtype, std=std, rngs=rngs)
-        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, dtype=dtype, std=std, rngs=rngs)
-        self.o_proj = Linear(self.num_heads * self.head_dim, h, dtype=dtype, std=std, rngs=rngs)
+        self.q_proj = lin("self_attn.q_proj", h, 2 * self.num_heads * self.head_dim)
+        self.k_proj = lin("self_attn.k_proj", h, self.num_kv_heads * self.head_dim)
+        self.v_proj = lin("self_attn.v_proj", h, self.num_kv_heads * self.head_dim)
+        self.o_proj = lin("self_attn.o_proj", self.num_heads * self.head_dim, h)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        if kv_fp8:
+            # static FP8 KV scales, one per kv head (a per-tensor checkpoint scale is broadcast at load)
+            self.k_scale = Packed(jnp.ones((self.num_kv_heads,), jnp.float32))
+            self.v_scale = Packed(jnp.ones((self.num_kv_heads,), jnp.float32))
+        else:
+            self.k_scale = self.v_scale = None
 
     def __call__(self, x: jnp.ndarray, ctx: StepContext, kv: KVState | None):
         """``x [B, T, H]`` → ``([B, T, H], updated KV slice or None)``."""
@@ -61,11 +81,24 @@ class GatedAttention(nnx.Module):
         q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
         k = apply_rope(self.k_norm(self.k_proj(x).reshape(b, t, nkv, d)), ctx.cos, ctx.sin)
         v = self.v_proj(x).reshape(b, t, nkv, d)
+        fp8 = self.k_scale is not None
+        if fp8:
+            # K (after k_norm + RoPE) and V are what a compressed-tensors / vLLM FP8 cache stores: e4m3(x / s)
+            ks, vs = self.k_scale[...][:, None], self.v_scale[...][:, None]  # [Hkv, 1] broadcasts over D
         if kv is not None:
             start = (0, ctx.write_index, 0, 0)
-            kv = KVState(k=jax.lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), start),
-                         v=jax.lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), start))
-            keys, values = kv.k.astype(x.dtype), kv.v.astype(x.dtype)
+            new_k = quantize_fp8(k, ks) if fp8 else k.astype(kv.k.dtype)
+            new_v = quantize_fp8(v, vs) if fp8 else v.astype(kv.v.dtype)
+            kv = KVState(k=jax.lax.dynamic_update_slice(kv.k, new_k, start),
+                         v=jax.lax.dynamic_update_slice(kv.v, new_v, start))
+            if fp8:
+                keys = (kv.k.astype(jnp.float32) * ks).astype(x.dtype)
+                values = (kv.v.astype(jnp.float32) * vs).astype(x.dtype)
+            else:
+                keys, values = kv.k.astype(x.dtype), kv.v.astype(x.dtype)
+        elif fp8:
+            # without a cache the same rounding is applied, so prefill and decode see identical keys and values
+            keys, values = fake_quant_fp8(k, ks), fake_quant_fp8(v, vs)
         else:
             keys, values = k, v
         o = attention(q, keys, values, ctx)
@@ -115,16 +148,17 @@ class Conv1d(nnx.Module):
 
 
 class GatedDeltaNet(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None):
         h, std = cfg.hidden_size, cfg.initializer_range
+        lin = functools.partial(make_linear, quant=quant or {}, dtype=dtype, std=std, rngs=rngs)
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
         self.conv_kernel = cfg.linear_conv_kernel_dim
-        self.in_proj_qkv = Linear(h, cfg.conv_dim, dtype=dtype, std=std, rngs=rngs)
-        self.in_proj_z = Linear(h, self.value_dim, dtype=dtype, std=std, rngs=rngs)
-        self.in_proj_b = Linear(h, self.num_v_heads, dtype=dtype, std=std, rngs=rngs)
-        self.in_proj_a = Linear(h, self.num_v_heads, dtype=dtype, std=std, rngs=rngs)
+        self.in_proj_qkv = lin("linear_attn.in_proj_qkv", h, cfg.conv_dim)
+        self.in_proj_z = lin("linear_attn.in_proj_z", h, self.value_dim)
+        self.in_proj_b = lin("linear_attn.in_proj_b", h, self.num_v_heads)
+        self.in_proj_a = lin("linear_attn.in_proj_a", h, self.num_v_heads)
         self.conv1d = Conv1d(cfg.conv_dim, self.conv_kernel, dtype=dtype, rngs=rngs)
         # decay parameters stay fp32 whatever the model dtype: g = −exp(A_log)·softplus(a + dt_bias) is precision-bound
         self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), jnp.float32))
@@ -132,7 +166,7 @@ class GatedDeltaNet(nnx.Module):
                   if rngs is not None else jnp.ones((self.num_v_heads,), jnp.float32))
         self.A_log = nnx.Param(jnp.log(a_init))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, dtype=dtype)
-        self.out_proj = Linear(self.value_dim, h, dtype=dtype, std=std, rngs=rngs)
+        self.out_proj = lin("linear_attn.out_proj", self.value_dim, h)
 
     def __call__(self, x: jnp.ndarray, ctx: StepContext, state: GDNState | None):
         """``x [B, T, H]`` → ``([B, T, H], new GDNState or None)``."""
@@ -171,15 +205,16 @@ class GatedDeltaNet(nnx.Module):
 # Decoder layer, layer group, model
 # ---------------------------------------------------------------------------------------------------------------------
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TextConfig, layer_type: str, *, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: TextConfig, layer_type: str, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None,
+                 kv_fp8: bool = False):
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs, quant=quant)
         else:
-            self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
+            self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs, quant=quant, kv_fp8=kv_fp8)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = SparseMoeBlock(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = SparseMoeBlock(cfg, dtype=dtype, rngs=rngs, quant=quant)
 
     def __call__(self, h: jnp.ndarray, ctx: StepContext, state):
         mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
@@ -192,8 +227,9 @@ class DecoderLayer(nnx.Module):
 class LayerGroup(nnx.Module):
     """One repetition of the layer pattern, e.g. ``[GDN, GDN, GDN, full]``."""
 
-    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None):
-        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype=dtype, rngs=rngs) for kind in cfg.layer_period])
+    def __init__(self, cfg: TextConfig, specs: tuple, *, dtype, rngs: nnx.Rngs | None, kv_fp8: bool = False):
+        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype=dtype, rngs=rngs, quant=dict(q), kv_fp8=kv_fp8)
+                                for kind, q in specs])
 
     def __call__(self, h, ctx: StepContext, states, collect: bool = False):
         new_states, outs = [], []
@@ -241,20 +277,33 @@ class ForwardOutput:
 class Qwen3_5MoeForCausalLM(nnx.Module):
     """The text model with its lm_head. ``model(input_ids)`` → logits ``[B, T, V]`` (jitted)."""
 
-    def __init__(self, cfg: TextConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, with_mtp: bool = False):
+    def __init__(self, cfg: TextConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, with_mtp: bool = False,
+                 quant: ModelQuant | None = None):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
+        self.quant = quant if quant is not None and not quant.is_empty else None
+        self.kv_fp8 = self.quant is not None and self.quant.kv_cache is not None
         std = cfg.initializer_range
         self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), std, dtype))
-        make_group = lambda r: LayerGroup(cfg, dtype=dtype, rngs=r)
+        specs = layer_period(cfg, self.quant)
+        self.layer_kinds = tuple(kind for kind, _ in specs)
+        self.num_groups = cfg.num_hidden_layers // len(specs)
+        make_group = lambda r: LayerGroup(cfg, specs, dtype=dtype, rngs=r, kv_fp8=self.kv_fp8)
         if rngs is not None:
-            self.groups = nnx.vmap(make_group, in_axes=0, out_axes=0)(rngs.split(cfg.num_groups))
+            self.groups = nnx.vmap(make_group, in_axes=0, out_axes=0)(rngs.split(self.num_groups))
         else:
-            self.groups = nnx.vmap(lambda _: make_group(None), in_axes=0, out_axes=0)(jnp.zeros(cfg.num_groups))
+            self.groups = nnx.vmap(lambda _: make_group(None), in_axes=0, out_axes=0)(jnp.zeros(self.num_groups))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
-                                                                   std=std, rngs=rngs)
+        head = {"lm_head": self.quant.lm_head} if self.quant is not None and self.quant.lm_head is not None else {}
+        self.lm_head = None if cfg.tie_word_embeddings else make_linear(
+            "lm_head", cfg.hidden_size, cfg.vocab_size, head, dtype=dtype, std=std, rngs=rngs)
         self.mtp = MTP(cfg, dtype=dtype, rngs=rngs) if with_mtp else None
+
+    def init_cache(self, batch: int, max_len: int) -> Cache:
+        """An empty generation cache for ``batch`` rows of up to ``max_len`` positions (FP8 K/V when the checkpoint
+        has static KV scales)."""
+        return Cache.init(self.config, self.layer_kinds, batch, max_len, self.dtype,
+                          kv_dtype=jnp.float8_e4m3fn if self.kv_fp8 else self.dtype)
 
     # -- building blocks ----------------------------------------------------------------------------------------------
     def embed(self, input_ids: jnp.ndarray) -> jnp.ndarray:
@@ -263,6 +312,8 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
     def logits_from_hidden(self, h: jnp.ndarray) -> jnp.ndarray:
         """Logits in float32 whatever the model dtype: rounding them to bf16 creates argmax ties and costs accuracy
         for nothing (the matmul accumulates in fp32 anyway)."""
+        if isinstance(self.lm_head, QuantLinear):
+            return qmatmul_f32(h, self.lm_head)
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
         precision = jax.lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
         return jax.lax.dot_general(h, w.astype(h.dtype), (((h.ndim - 1,), (1,)), ((), ())), precision=precision,
@@ -366,6 +417,26 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         return self.logits_from_hidden(y)
 
 
+def qmatmul_f32(h: jnp.ndarray, layer: QuantLinear) -> jnp.ndarray:
+    """Quantized lm_head with float32 logits."""
+    from .kernels import dequantize
+    w = dequantize(*layer.arrays(), layer.meta, h.dtype)
+    precision = jax.lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
+    return jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def layer_period(cfg: TextConfig, quant: ModelQuant | None) -> tuple:
+    """The shortest repeating group of (layer type, quantization) specs that tiles the decoder stack."""
+    specs = [(cfg.layer_types[i], quant.layers[i] if quant is not None and i < len(quant.layers) else ())
+             for i in range(cfg.num_hidden_layers)]
+    n = len(specs)
+    for p in range(1, n + 1):
+        if n % p == 0 and all(specs[i] == specs[i % p] for i in range(n)):
+            return tuple(specs[:p])
+    return tuple(specs)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _jit_logits(graphdef, state, input_ids, attention_mask, position_ids):
     model = nnx.merge(graphdef, state)
@@ -377,6 +448,8 @@ def init_model(cfg: TextConfig, *, dtype=jnp.float32, seed: int = 0, with_mtp: b
     return Qwen3_5MoeForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed), with_mtp=with_mtp)
 
 
-def abstract_model(cfg: TextConfig, *, dtype=jnp.float32, with_mtp: bool = False) -> Qwen3_5MoeForCausalLM:
+def abstract_model(cfg: TextConfig, *, dtype=jnp.float32, with_mtp: bool = False,
+                   quant: ModelQuant | None = None) -> Qwen3_5MoeForCausalLM:
     """The model's structure with shape/dtype placeholders only (no memory): the loader fills it."""
-    return nnx.eval_shape(lambda: Qwen3_5MoeForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), with_mtp=with_mtp))
+    return nnx.eval_shape(lambda: Qwen3_5MoeForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), with_mtp=with_mtp,
+                                                        quant=quant))

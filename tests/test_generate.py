@@ -27,7 +27,7 @@ def test_prefill_then_decode_equals_full_forward(tiny, prefill):
     total = prefill + 12
     ids = np.random.default_rng(prefill).integers(0, 512, (2, total)).astype(np.int32)
     full = np.asarray(model(ids))
-    cache = qjax.Cache.init(model.config, 2, total, model.dtype)
+    cache = model.init_cache(2, total)
     logits, cache = qjax.extend(model, cache, ids[:, :prefill])
     steps = [np.asarray(logits)]
     for t in range(prefill, total):
@@ -40,7 +40,7 @@ def test_multi_token_continuation_from_cache(tiny):
     _, model = tiny
     ids = np.random.default_rng(1).integers(0, 512, (1, 90)).astype(np.int32)
     full = np.asarray(model(ids))
-    cache = qjax.Cache.init(model.config, 1, 90, model.dtype)
+    cache = model.init_cache(1, 90)
     a, cache = qjax.extend(model, cache, ids[:, :40])
     b, cache = qjax.extend(model, cache, ids[:, 40:])
     assert np.abs(np.concatenate([np.asarray(a), np.asarray(b)], 1) - full).max() <= TOL

@@ -1,0 +1,94 @@
+"""Plain-JAX references of the dequant-matmul kernels (used on CPU, and by tests as the oracle for Pallas).
+
+Weight formats, as compressed-tensors stores them (FORMATS.md §3–§5), all ``[out, in]`` with groups along ``in``:
+- ``int``: ``packed`` int32 ``[..., N, ceil(K·b/32)]``, b ∈ {2, 4, 8}, LSB-first, value + 2^(b−1) unsigned;
+  ``scale`` ``[..., N, G]`` (G = ceil(K/group); channel: G = 1; tensor: ``[..., 1, 1]``);
+  ``zero`` int8 ``[..., N, G]`` or None (symmetric).  W = (q − zp) · scale.
+- ``mxfp8``: ``packed`` float8_e4m3fn ``[..., N, K]``; ``scale`` uint8 E8M0 ``[..., N, K/32]``.  W = w · 2^(s − 127).
+The dequantized weight is computed in fp32 (exact: small integer × 8–11-bit scale) and cast once to the activation
+dtype, which reproduces compressed-tensors' decompression bit for bit for bf16 scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantMeta:
+    """Static description of a packed weight (hashable: part of the module graph, not of its state)."""
+
+    fmt: str  # "int" | "mxfp8"
+    bits: int  # 2, 4, 8
+    group_size: int  # columns per scale (K for channel / tensor strategies)
+    in_features: int  # K (the packed rows may carry padding past it)
+    out_features: int  # N
+    symmetric: bool = True
+    strategy: str = "group"  # "group" | "channel" (group_size = K) | "tensor" (one scale, stored [1, 1])
+    scale_dtype: str = "bfloat16"  # dtype of the stored scales ("uint8" E8M0 for MXFP8)
+
+    @property
+    def pack_factor(self) -> int:
+        return 32 // self.bits
+
+    @property
+    def packed_cols(self) -> int:
+        return -(-self.in_features * self.bits // 32) if self.fmt == "int" else self.in_features
+
+    @property
+    def num_groups(self) -> int:
+        return -(-self.in_features // self.group_size)
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return (1, 1) if self.strategy == "tensor" else (self.out_features, self.num_groups)
+
+
+def unpack_int(packed: jnp.ndarray, bits: int, cols: int) -> jnp.ndarray:
+    """``int32 [..., W]`` → signed ``int32 [..., cols]`` (b ∈ {2, 4, 8}: no field straddles a word)."""
+    per = 32 // bits
+    shifts = jnp.arange(per, dtype=jnp.uint32) * bits
+    u = (packed.astype(jnp.uint32)[..., None] >> shifts) & jnp.uint32((1 << bits) - 1)
+    u = u.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :cols]
+    return u.astype(jnp.int32) - (1 << (bits - 1))
+
+
+def _expand_groups(s: jnp.ndarray, group_size: int, cols: int) -> jnp.ndarray:
+    """``[..., N, G]`` per-group values → ``[..., N, cols]``."""
+    return jnp.repeat(s, group_size, axis=-1, total_repeat_length=s.shape[-1] * group_size)[..., :cols]
+
+
+def dequantize(packed, scale, zero, meta: QuantMeta, dtype=jnp.float32) -> jnp.ndarray:
+    """Packed weight → dense ``[..., N, K]`` in ``dtype`` (fp32 math, one final rounding)."""
+    k = meta.in_features
+    if meta.fmt == "mxfp8":
+        exp = scale.astype(jnp.int32) - 127
+        s = jnp.ldexp(jnp.ones(exp.shape, jnp.float32), exp)
+        w = packed.astype(jnp.float32) * _expand_groups(s, 32, k)
+        return w.astype(dtype)
+    q = unpack_int(packed, meta.bits, k).astype(jnp.float32)
+    if zero is not None:
+        q = q - _expand_groups(zero.astype(jnp.float32), meta.group_size, k)
+    s = scale.astype(jnp.float32)
+    s = jnp.broadcast_to(s, (*q.shape[:-1], s.shape[-1])) if s.shape[-2] == 1 else s
+    return (q * _expand_groups(s, meta.group_size, k)).astype(dtype)
+
+
+def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta) -> jnp.ndarray:
+    """``x [..., K] @ dequant(W)ᵀ`` → ``[..., N]`` in x's dtype (fp32 accumulation)."""
+    w = dequantize(packed, scale, zero, meta, x.dtype)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def dequantize_experts(packed, scale, zero, meta: QuantMeta, idx: jnp.ndarray | None, dtype) -> jnp.ndarray:
+    """Dense ``[E or idx.shape…, N, K]`` weights of the experts in ``idx`` (all experts when None)."""
+    if idx is not None:
+        packed, scale = packed[idx], scale[idx]
+        zero = None if zero is None else zero[idx]
+    return dequantize(packed, scale, zero, meta, dtype)
