@@ -14,18 +14,27 @@ import tempfile
 from collections.abc import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from qjax.loading import _leaf_shapes, expected_tensors
+from qjax.loading_quant import layer_linears
+from qjax.quant.config import KVCacheScheme, QuantizationConfig, WeightScheme
+from qjax.quant.packing import pack_zero_point
 from qjax.safetensors_io import INDEX_FILE_NAME, write_safetensors
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
-def _variables(model) -> dict[tuple, jax.Array]:
-    return {tuple(p): (v.get_value() if hasattr(v, "get_value") else v.value)
-            for p, v in nnx.to_flat_state(nnx.state(model))}
+def _variables(model) -> tuple[dict[tuple, jax.Array], dict[tuple, bool]]:
+    """Variable values by path, and whether each is a trainable Param (cast to the output dtype) or packed storage
+    (written bit for bit)."""
+    values, is_param = {}, {}
+    for p, v in nnx.to_flat_state(nnx.state(model)):
+        values[tuple(p)] = v.get_value() if hasattr(v, "get_value") else v.value
+        is_param[tuple(p)] = isinstance(v, nnx.Param)
+    return values, is_param
 
 
 def _all_per_expert(cfg, model) -> dict[str, bool]:
@@ -38,35 +47,95 @@ def _all_per_expert(cfg, model) -> dict[str, bool]:
 def checkpoint_tensors(model, *, fused_experts: bool = False, dtype=None) -> list[tuple[str, int, Callable]]:
     """Every checkpoint tensor as ``(hf_key, nbytes, get)``; ``get()`` pulls that one tensor to the host.
 
+    Quantized modules are written in compressed-tensors' layout (``weight_packed`` + ``weight_scale`` +
+    ``weight_shape`` [+ ``weight_zero_point`` packed along rows], or float8 ``weight`` + U8 ``weight_scale``; FP8 KV
+    ``k_scale``/``v_scale``): the inverse of the loader's transforms.
+
     Args:
-      fused_experts: write ``mlp.experts.gate_up_proj``/``down_proj`` stacks (the official layout) instead of
-        transformers' per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``.
-      dtype: dtype of float tensors on disk (default: the model dtype; ``A_log``/``dt_bias``, fp32 in memory,
-        follow it like transformers' checkpoints do).
+      fused_experts: write dense experts as ``mlp.experts.gate_up_proj``/``down_proj`` stacks (the official BF16
+        layout) instead of transformers' per-expert keys. Quantized experts are always per expert.
+      dtype: dtype of the float parameters on disk (default: the model dtype; ``A_log``/``dt_bias``, fp32 in memory,
+        follow it like transformers' checkpoints do). Quantization scales keep their own dtype.
     """
     cfg = model.config
-    values = _variables(model)
+    values, is_param = _variables(model)
     targets = expected_tensors(model, _leaf_shapes(model),
                                fused_experts={} if fused_experts else _all_per_expert(cfg, model),
                                text_prefix="model.")
     out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
+    quant = getattr(model, "quant", None)
+    kv_dtype = np.dtype(jnp.dtype(quant.kv_scale_dtype)) if quant is not None else np.dtype(np.float32)
+    per_tensor_kv = quant is not None and quant.kv_cache == "tensor"
 
     def getter(t):
         def get() -> np.ndarray:
+            if t.transform == "weight_shape":
+                return np.asarray(t.info, np.int64)
             arr = values[t.path]
-            lead = arr.ndim - len(t.shape)
-            index = tuple(t.start[:lead]) + tuple(slice(s, s + n) for s, n in zip(t.start[lead:], t.shape))
-            host = np.asarray(arr[index])
-            return host.astype(out_dtype) if host.dtype != out_dtype and host.dtype.kind in "fV" else host
+            host = np.asarray(arr[t.index(arr.ndim)])
+            if t.transform == "zero_point":
+                return pack_zero_point(host.astype(np.int8), t.info[0]).astype(np.int32)
+            if t.transform == "kv_scale":
+                return (host[:1] if per_tensor_kv else host).astype(kv_dtype)
+            if is_param[t.path] and host.dtype != out_dtype and host.dtype.kind in "fV":
+                return host.astype(out_dtype)
+            return host.reshape(t.shape)
         return get
 
-    out = []
-    for key in sorted(targets):
-        t = targets[key]
+    def nbytes(t) -> int:
+        if t.transform == "weight_shape":
+            return 16
+        if t.transform == "kv_scale":
+            return kv_dtype.itemsize * (1 if per_tensor_kv else t.info[0])
         kind = np.dtype(values[t.path].dtype)
-        itemsize = out_dtype.itemsize if kind.kind in "fV" else kind.itemsize
-        out.append((key, int(np.prod(t.shape)) * itemsize, getter(t)))
-    return out
+        itemsize = out_dtype.itemsize if is_param[t.path] and kind.kind in "fV" else kind.itemsize
+        if t.transform == "zero_point":
+            itemsize = 4
+        return int(np.prod(t.shape)) * itemsize
+
+    return [(key, nbytes(targets[key]), getter(targets[key])) for key in sorted(targets)]
+
+
+def quantization_config(model) -> dict | None:
+    """The compressed-tensors ``quantization_config`` of a quantized model: one config group per distinct scheme
+    with explicit module names as targets (exact, as auto-round writes them), dense linears in ``ignore``."""
+    quant = getattr(model, "quant", None)
+    if quant is None:
+        return None
+    cfg = model.config
+    groups: dict[WeightScheme, list[str]] = {}
+    ignore: list[str] = []
+    for i, kind in enumerate(cfg.layer_types):
+        stem = f"model.layers.{i}."
+        metas = quant.layer(i)
+        for rel in layer_linears(cfg, kind):
+            if rel in metas:
+                groups.setdefault(_scheme(metas[rel]), []).append(stem + rel)
+            else:
+                ignore.append(stem + rel)
+        if "mlp.experts.gate_up_proj" in metas:
+            sch = _scheme(metas["mlp.experts.gate_up_proj"])
+            dn = _scheme(metas["mlp.experts.down_proj"])
+            for e in range(cfg.num_experts):
+                groups.setdefault(sch, []).extend(f"{stem}mlp.experts.{e}.{p}" for p in ("gate_proj", "up_proj"))
+                groups.setdefault(dn, []).append(f"{stem}mlp.experts.{e}.down_proj")
+    if quant.lm_head is not None:
+        groups.setdefault(_scheme(quant.lm_head), []).append("lm_head")
+    else:
+        ignore.append("lm_head")
+    kv = None if quant.kv_cache is None else KVCacheScheme(num_bits=8, type="float", strategy=quant.kv_cache)
+    qc = QuantizationConfig(groups=tuple((f"group_{i}", tuple(names), sch) for i, (sch, names) in
+                                         enumerate(groups.items())), ignore=tuple(ignore), kv_cache=kv)
+    return qc.to_dict()
+
+
+def _scheme(meta) -> WeightScheme:
+    if meta.fmt == "mxfp8":
+        return WeightScheme(format="mxfp8-quantized", num_bits=8, type="float", symmetric=True, strategy="group",
+                            group_size=32, scale_dtype="uint8")
+    return WeightScheme(format="pack-quantized", num_bits=meta.bits, type="int", symmetric=meta.symmetric,
+                        strategy=meta.strategy, group_size=meta.group_size if meta.strategy == "group" else None,
+                        scale_dtype=meta.scale_dtype)
 
 
 def save_pretrained(model, out_dir: str | os.PathLike, *, dtype=None, fused_experts: bool = False,
@@ -109,6 +178,9 @@ def _write_folder(model, folder, *, dtype, fused_experts, max_shard_bytes, extra
     hf_cfg["dtype"] = out_dtype.name
     if getattr(model, "mtp", None) is not None:
         hf_cfg["mtp_num_hidden_layers"] = max(1, cfg.mtp_num_hidden_layers)
+    qc = quantization_config(model)
+    if qc is not None:
+        hf_cfg["quantization_config"] = qc
     _write_json(os.path.join(folder, "config.json"), hf_cfg)
     gc = getattr(model, "generation_config", None)
     gen: dict = {"do_sample": False}

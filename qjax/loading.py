@@ -55,6 +55,17 @@ class Target:
     dtypes: tuple[str, ...] = FLOAT  # safetensors dtypes accepted on disk
     transform: str | None = None  # None (copy/cast) | "zero_point" (unpack along rows) | "kv_scale" | "weight_shape"
     info: tuple = ()  # transform arguments: zero_point (bits, rows); kv_scale (heads,); weight_shape (out, in)
+    mem: tuple[int, ...] | None = None  # shape of the slice of the variable, when it differs from the disk shape
+
+    @property
+    def mem_shape(self) -> tuple[int, ...]:
+        return self.shape if self.mem is None else self.mem
+
+    def index(self, ndim: int) -> tuple:
+        """Index of this tensor's slice in a variable with ``ndim`` dims (leading stacked dims are integers)."""
+        mem = self.mem_shape
+        lead = ndim - len(mem)
+        return tuple(self.start[:lead]) + tuple(slice(s, s + n) for s, n in zip(self.start[lead:], mem))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -125,12 +136,14 @@ def _quant_keys(out, name: str, field: str, path: tuple, lead: tuple[int, ...], 
     elif field == "weight_scale":
         dtypes = ("U8",) if meta.fmt == "mxfp8" else FLOAT
         if meta.strategy == "tensor":
-            out[f"{name}.weight_scale"] = Target(path, (*lead, 0, 0), (1,), dtypes)
+            out[f"{name}.weight_scale"] = Target(path, (*lead, 0, 0), (1,), dtypes, mem=(1, 1))
         else:
             out[f"{name}.weight_scale"] = Target(path, start, (rows, cols), dtypes)
     elif field == "weight_zero_point":
+        if meta.strategy == "tensor":
+            raise LoadError(f"{name}: asymmetric tensor-strategy quantization is not supported")
         out[f"{name}.weight_zero_point"] = Target(path, start, (-(-rows * meta.bits // 32), cols), ("I32",),
-                                                  "zero_point", (meta.bits, rows))
+                                                  "zero_point", (meta.bits, rows), mem=(rows, cols))
     else:
         raise AssertionError(field)
 
@@ -140,7 +153,7 @@ def _add_layer_keys(out, stem, rest, path, lead, shape, fused, meta):
     name = stem + ".".join(map(str, rest[:-1]))
     field = rest[-1]
     if field in ("k_scale", "v_scale"):
-        out[name + "." + field] = Target(path, (*lead, 0), (None,), FLOAT, "kv_scale", shape)
+        out[name + "." + field] = Target(path, (*lead, 0), (None,), FLOAT, "kv_scale", shape, mem=shape)
         return
     experts = rest[:2] == ("mlp", "experts")
     if experts and meta is not None:  # quantized experts: always per expert on disk
@@ -385,9 +398,7 @@ def module_weight(model, name: str, *, text_prefix: str = "model.") -> np.ndarra
     if f"{name}.weight" in targets and targets[f"{name}.weight"].dtypes != ("F8_E4M3",):
         t = targets[f"{name}.weight"]
         arr = values[t.path]
-        lead = arr.ndim - len(t.shape)
-        idx = tuple(t.start[:lead]) + tuple(slice(s, s + n) for s, n in zip(t.start[lead:], t.shape))
-        return np.asarray(arr[idx], np.float32)
+        return np.asarray(arr[t.index(arr.ndim)], np.float32)
     key = f"{name}.weight_packed" if f"{name}.weight_packed" in targets else f"{name}.weight"
     if key not in targets:
         raise KeyError(f"no linear module named {name!r} in this model")
