@@ -5,8 +5,9 @@ Weight formats, as compressed-tensors stores them (FORMATS.md §3–§5), all ``
   ``scale`` ``[..., N, G]`` (G = ceil(K/group); channel: G = 1; tensor: ``[..., 1, 1]``);
   ``zero`` int8 ``[..., N, G]`` or None (symmetric).  W = (q − zp) · scale.
 - ``mxfp8``: ``packed`` float8_e4m3fn ``[..., N, K]``; ``scale`` uint8 E8M0 ``[..., N, K/32]``.  W = w · 2^(s − 127).
-The dequantized weight is computed in fp32 (exact: small integer × 8–11-bit scale) and cast once to the activation
-dtype, which reproduces compressed-tensors' decompression bit for bit for bf16 scales.
+The dequantized weight is computed in fp32 (exact: small integer × 8–11-bit scale), rounded once to the scale dtype
+(bf16 for MXFP8) — exactly compressed-tensors' decompression output — and then cast to the activation dtype (a no-op
+for a bf16 model with bf16 scales).
 """
 
 from __future__ import annotations
@@ -68,13 +69,14 @@ def dequantize(packed, scale, zero, meta: QuantMeta, dtype=jnp.float32) -> jnp.n
         exp = scale.astype(jnp.int32) - 127
         s = jnp.ldexp(jnp.ones(exp.shape, jnp.float32), exp)
         w = packed.astype(jnp.float32) * _expand_groups(s, 32, k)
-        return w.astype(dtype)
+        return w.astype(jnp.bfloat16).astype(dtype)
     q = unpack_int(packed, meta.bits, k).astype(jnp.float32)
     if zero is not None:
         q = q - _expand_groups(zero.astype(jnp.float32), meta.group_size, k)
     s = scale.astype(jnp.float32)
     s = jnp.broadcast_to(s, (*q.shape[:-1], s.shape[-1])) if s.shape[-2] == 1 else s
-    return (q * _expand_groups(s, meta.group_size, k)).astype(dtype)
+    w = q * _expand_groups(s, meta.group_size, k)
+    return w.astype(jnp.dtype(meta.scale_dtype)).astype(dtype)
 
 
 def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta) -> jnp.ndarray:

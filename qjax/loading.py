@@ -233,6 +233,7 @@ class Checkpoint:
                 self.where.setdefault(k, f)
 
     def keys(self) -> list[str]:
+        """All tensor names, file by file in on-disk order."""
         return list(self.where)
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -346,10 +347,7 @@ def _transform(ckpt: Checkpoint, key: str, t: Target) -> np.ndarray | None:
 
 def _ordered(ckpt: Checkpoint, targets: dict[str, Target]) -> Iterator[str]:
     """Keys file by file, in on-disk order, so reads walk each mmap sequentially."""
-    for f in ckpt.files:
-        for k in f.keys():
-            if k in targets and ckpt.where[k] is f:
-                yield k
+    return (k for k in ckpt.keys() if k in targets)
 
 
 def _check(ckpt: Checkpoint, targets: dict[str, Target], skipped: set[str]) -> None:

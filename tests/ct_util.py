@@ -52,6 +52,7 @@ from compressed_tensors.quantization.utils import calculate_qparams, is_module_q
 from compressed_tensors.quantization.utils.mxfp_utils import should_generate_mx_scales
 from compressed_tensors.utils import get_direct_state_dict, replace_direct_state_dict
 from compressed_tensors.utils.match import match_name, match_targets
+from loguru import logger
 from torch import nn
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5MoeVisionModel
 from transformers.activations import ACT2FN
@@ -360,7 +361,11 @@ def write_ct_checkpoint(
     text_prefix = _OFFICIAL_PREFIX if official_layout else "model."
 
     # 1. schemes onto the modules (compressed-tensors matching: targets, ignore, first group wins)
-    apply_quantization_config(root, _recipe_qconfig(recipe, scale_dtype, extra_ignore), show_progress=False)
+    logger.disable("compressed_tensors")  # per-module warnings about the partial groups handled below
+    try:
+        apply_quantization_config(root, _recipe_qconfig(recipe, scale_dtype, extra_ignore), show_progress=False)
+    finally:
+        logger.enable("compressed_tensors")
     quantized = [m for _, m in root.named_modules() if is_module_quantized(m)]
     if not quantized:
         raise ValueError("recipe quantizes no module")

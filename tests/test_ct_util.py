@@ -101,7 +101,8 @@ CASES: dict[str, tuple[dict[str, Any], torch.dtype, dict[str, Any], bool, Any]] 
     "mxfp8_experts": (
         {},
         torch.bfloat16,
-        {"groups": [{"targets": [EXPERTS], "weights": MXFP8}], "ignore": IGNORE},
+        # preset MXFP8: + dynamic MX input activations (runtime only, no tensors)
+        {"groups": [{"targets": [EXPERTS], "weights": MXFP8, "input_activations": {**MXFP8, "dynamic": True}}], "ignore": IGNORE},
         True,
         lambda m: MXFP8 if IS_EXPERT.search(m) else None,
     ),
@@ -118,6 +119,7 @@ CASES: dict[str, tuple[dict[str, Any], torch.dtype, dict[str, Any], bool, Any]] 
         lambda m: None if IGNORED.search(m) else _int(4, group=32),
     ),
 }
+CALIB_IDS = np.random.default_rng(11).integers(0, 512, (2, 20))
 # Rough relative-error bounds of ||W_deq - W|| / ||W|| on random weights (FORMATS.md §4: int8 0.6 %, MXFP8 2.6 %,
 # int4 10-11 %, int2 39-51 %); the per-module bound is looser since tiny modules scatter more.
 REL_ERR = {2: 0.55, 4: 0.15, 8: 0.012, "mxfp8": 0.04}
@@ -145,7 +147,9 @@ class Written:
 def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Written:
     overrides, dtype, recipe, official, expected = CASES[request.param]
     model = make_hf_model(tiny_text_config(**overrides), seed=3, dtype=dtype)
-    folder = write_ct_checkpoint(model, tmp_path_factory.mktemp(request.param), recipe, official_layout=official)
+    folder = write_ct_checkpoint(
+        model, tmp_path_factory.mktemp(request.param), recipe, official_layout=official, calib_ids=CALIB_IDS
+    )
     return Written(request.param, folder, model, official, expected)
 
 
@@ -239,6 +243,39 @@ def test_kv_scales(written: Written) -> None:
     assert scheme["strategy"] == kv["strategy"] and scheme["dynamic"] is False
     # amax / 448 of K after k_norm + RoPE on the calibration forward: the scales are not clipping a fresh prompt much
     assert set(kv_scales(w.folder)) == set(full)
+
+
+def test_kv_scales_are_amax_over_448(written: Written, monkeypatch: pytest.MonkeyPatch) -> None:
+    """§6: scale = max|K| / 448 with K after k_norm + RoPE, V after v_proj, over the calibration forward of the
+    dequantized model; observed here independently by wrapping transformers' `apply_rotary_pos_emb` / `v_proj`."""
+    kv = CASES[written.name][2].get("kv_cache")
+    if kv is None:
+        pytest.skip("no KV cache scheme")
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as qm
+
+    model = ct_reference_model(written.folder)
+    seen: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
+    rope = qm.apply_rotary_pos_emb
+
+    def recording_rope(q, k, cos, sin, *args, **kwargs):
+        q, k = rope(q, k, cos, sin, *args, **kwargs)
+        seen["k"].append(k.detach())  # [B, kv heads, T, head_dim]
+        return q, k
+
+    monkeypatch.setattr(qm, "apply_rotary_pos_emb", recording_rope)
+    hd = written.text["head_dim"]
+    full = [i for i, t in enumerate(written.text["layer_types"]) if t == "full_attention"]
+    assert len(full) == 1
+    model.model.layers[full[0]].self_attn.v_proj.register_forward_hook(
+        lambda mod, inp, out: seen["v"].append(out.detach().unflatten(-1, (-1, hd)).transpose(1, 2))
+    )
+    hf_logits(model, CALIB_IDS)
+    per_head = kv["strategy"] == "attn_head"
+    for tag, stored in zip("kv", kv_scales(written.folder)[full[0]]):
+        x = seen[tag][0].abs()
+        amax = x.amax(dim=(0, 2, 3)) if per_head else x.amax().reshape(1)
+        expect = (amax / 448).to(written.tensors[f"{written.prefix}layers.{full[0]}.self_attn.k_scale"].dtype).float()
+        torch.testing.assert_close(stored, expect, rtol=1e-5, atol=0)
 
 
 def test_quantization_config(written: Written) -> None:
