@@ -2,6 +2,7 @@
 
     qjax demo                         random tiny model → HF folder → load → generate (no download)
     qjax generate --model DIR PROMPT  generate from a checkpoint folder (text with its tokenizer.json, or --ids)
+    qjax inspect PATH | --config C --recipe R   sizes and predicted device memory
 """
 
 from __future__ import annotations
@@ -110,6 +111,25 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_inspect(a) -> int:
+    from qjax.convert.planner import format_plan, plan_folder, plan_recipe
+
+    if a.recipe is not None or a.config is not None:
+        if a.config is None or a.path is not None:
+            print("error: use either PATH, or --config CONFIG.json with --recipe RECIPE", file=sys.stderr)
+            return 2
+        p = plan_recipe(a.config, a.recipe or "bf16", dtype=a.dtype or "bfloat16")
+        title = f"{a.config} with recipe {a.recipe or 'bf16'!r} (hypothetical, from shapes)"
+    else:
+        if a.path is None:
+            print("error: give a checkpoint PATH, or --config with --recipe", file=sys.stderr)
+            return 2
+        p = plan_folder(a.path)
+        title = f"{a.path}"
+    print(format_plan(p, title=title))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qjax", description="Run Qwen3.5/3.6-MoE checkpoints in JAX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -124,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", default=None)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
+    i = sub.add_parser("inspect", help="tensor counts, bytes and predicted device memory of a checkpoint or recipe")
+    i.add_argument("path", nargs="?", default=None, help="checkpoint folder")
+    i.add_argument("--config", default=None, help="config.json of a hypothetical model")
+    i.add_argument("--recipe", default=None,
+                   help="preset (w2w4, w4a16, w8a16-g32, mxfp8-experts, bf16), 'experts=int2:g64,rest=int4:g128,"
+                        "kv=fp8' or a JSON file with a quantization_config")
+    i.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
+    i.set_defaults(func=cmd_inspect)
     return p
 
 

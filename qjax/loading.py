@@ -261,8 +261,13 @@ def _text_prefix(keys) -> str:
 
 def _default_dtype(ckpt: Checkpoint, cfg: TextConfig, prefix: str):
     key = prefix + "embed_tokens.weight"
-    if key in ckpt.where and ckpt.dtype(key) in _FLOAT_DTYPES:
-        return _FLOAT_DTYPES[ckpt.dtype(key)]
+    return _default_dtype_from(ckpt.dtype(key) if key in ckpt.keys() else None, cfg)
+
+
+def _default_dtype_from(embed_dtype: str | None, cfg: TextConfig):
+    """The model dtype a checkpoint implies: its embedding's float dtype, else config.json's ``dtype``."""
+    if embed_dtype in _FLOAT_DTYPES:
+        return _FLOAT_DTYPES[embed_dtype]
     return {"bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(str(cfg.dtype), jnp.float32)
 
 

@@ -60,7 +60,15 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import eager_attention_forward
 
-from hf_util import _fuse_experts, _load_dir, _write_shards, hf_logits, save_hf, tiny_vision_config, write_official_layout
+from hf_util import (
+    _fuse_experts,
+    _load_dir,
+    _write_shards,
+    hf_logits,
+    save_hf,
+    tiny_vision_config,
+    write_official_layout,
+)
 
 FP8_MAX = 448.0  # float8_e4m3fn
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -106,13 +114,15 @@ class SequentialQwen3_5MoeExperts(nn.ModuleList):
 
     def __init__(self, experts: nn.Module, act: str) -> None:
         inter = experts.gate_up_proj.shape[1] // 2
+        gate_up, down = experts.gate_up_proj, experts.down_proj
         super().__init__(
-            Qwen3_5MoeExpertMLP(experts.gate_up_proj[e, :inter], experts.gate_up_proj[e, inter:], experts.down_proj[e], act)
-            for e in range(experts.gate_up_proj.shape[0])
+            Qwen3_5MoeExpertMLP(gate_up[e, :inter], gate_up[e, inter:], down[e], act) for e in range(gate_up.shape[0])
         )
         self.num_experts = len(self)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for e in range(self.num_experts):
             token_idx, k_pos = torch.where(top_k_index == e)
@@ -291,6 +301,7 @@ def _restyle_config_019(config_path: Path) -> None:
             group[key] = _legacy_args(group.get(key))
     q["kv_cache_scheme"] = _legacy_args(q.get("kv_cache_scheme"))
     q.pop("moe_sparsity_config", None)
+    q["version"] = "0.19.0"
     config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
@@ -312,8 +323,8 @@ def write_ct_checkpoint(
               scales (per tensor: [1], default dtype bf16 with bf16 weight scales (llmcompressor) else f32
               (auto-round); attn_head: [num_kv_heads] f32 (auto-round)).
       scale_dtype: "bfloat16" (llmcompressor, default) | "float16" (auto-round) for INT weight scales.
-      config_style: "ct" (default: compressed-tensors' own serialisation) | "ct-0.19" (every args key, as the
-              fixtures' compressed-tensors 0.19 wrote them).
+      config_style: "ct" (default: compressed-tensors' own serialisation) | "ct-0.19" (every args key, zp_dtype of
+              asymmetric args, no moe_sparsity_config, version "0.19.0": as the fixtures' compressed-tensors 0.19).
       official_layout only: visual (default True), mtp (default True), mtp_fused (default False), shards (default 1).
     Unquantized tensors keep the model dtype. `calib_ids` ([B, T] ints) feed the KV calibration forward; random
     (seeded) ids when None. Returns `str(out_dir)`.
@@ -348,7 +359,8 @@ def write_ct_checkpoint(
         if recipe.get("visual", True):
             # A real vision tower in the module tree, so its Linears land in `ignore` as llmcompressor writes them.
             visual = Qwen3_5MoeVisionModel(tiny_vision_config(out_hidden_size=text_cfg.hidden_size))
-            visual.load_state_dict({k[len("model.visual.") :]: v for k, v in aux.items() if k.startswith("model.visual.")})
+            vis = "model.visual."
+            visual.load_state_dict({k.removeprefix(vis): v for k, v in aux.items() if k.startswith(vis)})
             root.model.visual = visual.to(next(model.parameters()).dtype).eval()
             extra_ignore.append(r"re:^model\.visual\.")
         root.model.language_model = work.model
@@ -479,6 +491,12 @@ def _dequantize_tensors(tensors: dict[str, torch.Tensor], qconfig: QuantizationC
         scheme, fmt = _scheme_for(module, qconfig)
         compressor = BaseCompressor.get_value_from_registry(fmt)
         state = {p: tensors[f"{module}.{p}"] for p in compressor.compression_param_names(scheme)}
+        if "weight_zero_point" in state:
+            # Same values, stored column-major: compressed-tensors 0.20.1 unpacks zero points (packed_dim=0) by
+            # transposing, and its int4 fast path then fails on a [1, G>1] zero point (`.contiguous()` keeps the
+            # transposed [G, 1] view whose stride(-1) is G; "view Int as Byte" error), e.g. a 6-row in_proj_a.
+            zp = state["weight_zero_point"]
+            state["weight_zero_point"] = torch.empty_strided(zp.shape, (1, zp.shape[0]), dtype=zp.dtype).copy_(zp)
         cols = int(state["weight_shape"][-1]) if "weight_shape" in state else state["weight"].shape[-1]
         if fmt == CompressionFormat.pack_quantized.value and _is_partial_group(scheme.weights, cols):
             out[module] = _decompress_padded(compressor, state, scheme)
@@ -515,7 +533,10 @@ def _reference_from_tensors(
             continue
         state[name] = t.float()
     state.update({f"{m}.weight": w.float() for m, w in deq.items()})
-    state = {("model." + k[len(_OFFICIAL_PREFIX) :] if k.startswith(_OFFICIAL_PREFIX) else k): v for k, v in state.items()}
+    state = {
+        ("model." + k.removeprefix(_OFFICIAL_PREFIX) if k.startswith(_OFFICIAL_PREFIX) else k): v
+        for k, v in state.items()
+    }
     state = _fuse_experts(state)
     cfg = copy.deepcopy(cfg)
     cfg._attn_implementation = "eager"
@@ -528,7 +549,8 @@ def _reference_from_tensors(
 
 
 def ct_reference_model(folder: str | Path) -> Qwen3_5MoeForCausalLM:
-    """float32 `Qwen3_5MoeForCausalLM` (eager attention) with the checkpoint's compressed-tensors-dequantized weights."""
+    """float32 `Qwen3_5MoeForCausalLM` (eager attention) with the checkpoint's weights dequantized by
+    compressed-tensors (experts re-fused), every other text tensor as stored, upcast."""
     config, tensors = _read_folder(folder)
     qconfig = QuantizationConfig.model_validate(config["quantization_config"])
     return _reference_from_tensors(_text_config(config), tensors, qconfig)

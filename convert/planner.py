@@ -1,0 +1,239 @@
+"""Size and memory planner: what a checkpoint holds, and what qjax will hold on the device for it.
+
+Works from tensor headers and shapes alone (no tensor data is read), so it answers for a real folder
+(``qjax inspect PATH``) and for a hypothetical recipe on any config (``qjax inspect --config C --recipe R``), the
+35B model included. Device memory is measured on the abstract model the loader would build: the same code path,
+so the prediction is what loading allocates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections import defaultdict
+
+import numpy as np
+
+from qjax.config import FULL, LINEAR, TextConfig
+from qjax.quant.config import QuantizationConfig
+
+ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8}
+
+# compact recipe grammar: SELECTOR=SCHEME,... ; the presets are the three seed checkpoints' recipes and friends
+PRESETS = {
+    "w2w4": "experts=int2:g64,rest=int4:g128",  # seed 000: INT2 g64 experts + INT4 g128 attention/GDN/shared
+    "w4a16": "rest=int4:g128",
+    "w8a16-g32": "rest=int8:g32",  # seed 002 (AWQ W8A16 g32)
+    "mxfp8-experts": "experts=mxfp8,kv=fp8",  # seed 003 (MXFP8 experts + FP8 KV)
+    "bf16": "",
+}
+SELECTORS = {
+    "experts": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+    "shared": [r"re:.*mlp\.shared_expert\.(gate|up|down)_proj$"],
+    "attn": [r"re:.*self_attn\.(q|k|v|o)_proj$"],
+    "linear_attn": [r"re:.*linear_attn\.(in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj)$"],
+    "lm_head": ["lm_head"],
+}
+
+
+class RecipeError(ValueError):
+    pass
+
+
+def _scheme_dict(spec: str, where: str) -> dict:
+    """``int4:g128[:asym]`` | ``int8:channel`` | ``mxfp8`` → compressed-tensors weight args + format."""
+    parts = spec.split(":")
+    if parts[0] == "mxfp8":
+        return {"format": "mxfp8-quantized", "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                                                        "strategy": "group", "group_size": 32,
+                                                        "scale_dtype": "torch.uint8"}}
+    if not parts[0].startswith("int") or not parts[0][3:].isdigit():
+        raise RecipeError(f"{where}: unknown scheme {spec!r} (use bf16, int2/int4/int8:gN|channel[:asym], mxfp8)")
+    w = {"num_bits": int(parts[0][3:]), "type": "int", "symmetric": "asym" not in parts[1:], "strategy": "channel",
+         "group_size": None}
+    for p in parts[1:]:
+        if p.startswith("g") and p[1:].isdigit():
+            w.update(strategy="group", group_size=int(p[1:]))
+        elif p not in ("channel", "asym", "sym"):
+            raise RecipeError(f"{where}: unknown scheme option {p!r} in {spec!r}")
+    return {"format": "pack-quantized", "weights": w}
+
+
+def recipe_to_qconfig(recipe: str) -> dict | None:
+    """A recipe (preset name, compact ``SELECTOR=SCHEME,...`` string, or a JSON file holding a
+    ``quantization_config``) → a compressed-tensors ``quantization_config`` dict (None: nothing quantized)."""
+    if os.path.exists(recipe):
+        with open(recipe, encoding="utf-8") as f:
+            raw = json.load(f)
+        return raw.get("quantization_config", raw)
+    spec = PRESETS.get(recipe, recipe)
+    groups, kv, ignore = {}, None, ["lm_head"]
+    rest = None
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        if "=" not in item:
+            raise RecipeError(f"recipe item {item!r} is not SELECTOR=SCHEME (presets: {', '.join(PRESETS)})")
+        sel, scheme = item.split("=", 1)
+        if sel == "kv":
+            if scheme not in ("fp8", "fp8:head"):
+                raise RecipeError(f"kv={scheme!r}: use kv=fp8 (per tensor) or kv=fp8:head")
+            kv = {"num_bits": 8, "type": "float", "symmetric": True,
+                  "strategy": "attn_head" if scheme == "fp8:head" else "tensor", "dynamic": False}
+            continue
+        if scheme == "bf16":
+            continue
+        if sel == "rest":
+            rest = _scheme_dict(scheme, item)
+            continue
+        if sel not in SELECTORS:
+            raise RecipeError(f"recipe selector {sel!r} unknown; use {', '.join([*SELECTORS, 'rest', 'kv'])}")
+        if sel == "lm_head":
+            ignore = []
+        groups[f"group_{len(groups)}"] = {**_scheme_dict(scheme, item), "targets": SELECTORS[sel]}
+    if rest is not None:
+        groups[f"group_{len(groups)}"] = {**rest, "targets": ["Linear"]}
+    if not groups and kv is None:
+        return None
+    return {"quant_method": "compressed-tensors", "quantization_status": "compressed", "format": None,
+            "config_groups": groups, "ignore": ignore + [r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$"],
+            "kv_cache_scheme": kv}
+
+
+@dataclasses.dataclass
+class Plan:
+    cfg: TextConfig
+    headers: dict[str, tuple[tuple[int, ...], str]]  # checkpoint key → (shape, safetensors dtype)
+    scheme_of: dict[str, str]  # key → scheme label
+    device_bytes: int  # parameters as qjax holds them
+    kv_bytes_per_token: int  # per sequence, all full-attention layers
+    gdn_bytes_per_sequence: int  # conv window + fp32 state, all GDN layers
+    skipped: dict[str, int]  # prefix → bytes on disk that qjax does not load (vision)
+
+
+def _label(key: str, dtype: str, quant_modules: dict[str, str]) -> str:
+    for suffix in (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight"):
+        if key.endswith(suffix) and key[: -len(suffix)] in quant_modules:
+            return quant_modules[key[: -len(suffix)]]
+    if key.endswith((".k_scale", ".v_scale")):
+        return "fp8 kv scales"
+    return f"dense {dtype.lower()}"
+
+
+def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: QuantizationConfig | None,
+         *, dtype=None) -> Plan:
+    """Everything from headers: the loader's own plan + abstract model, so device bytes are what loading allocates."""
+    from qjax.loading import _default_dtype_from, _leaf_shapes, _text_prefix
+    from qjax.loading_quant import plan_quantization
+    from qjax.model import abstract_model
+
+    keys = set(headers)
+    prefix = _text_prefix(keys)
+    dtype_of = lambda k: headers[k][1]  # noqa: E731
+    quant = plan_quantization(cfg, qc, keys, dtype_of, text_prefix=prefix, source="config.json")
+    dt = dtype if dtype is not None else _default_dtype_from(headers.get(prefix + "embed_tokens.weight", (None, None))[1],
+                                                              cfg)
+    model = abstract_model(cfg, dtype=dt, with_mtp=any(k.startswith("mtp.") for k in keys), quant=quant)
+    device = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in _leaf_shapes(model).values())
+    quant_modules = {}
+    for k in keys:
+        for suffix in (".weight_packed", ".weight_scale"):
+            if k.endswith(suffix):
+                m = k[: -len(suffix)]
+                sch = qc.scheme_for(m) if qc is not None else None
+                if sch is not None:
+                    quant_modules[m] = (f"mxfp8 g32" if sch.is_mxfp8 else
+                                        f"int{sch.num_bits} {'g' + str(sch.group_size) if sch.strategy == 'group' else sch.strategy}"
+                                        f"{'' if sch.symmetric else ' asym'}")
+    kv_item = 1 if quant is not None and quant.kv_cache else np.dtype(dt).itemsize
+    n_full = sum(t == FULL for t in cfg.layer_types)
+    n_lin = sum(t == LINEAR for t in cfg.layer_types)
+    kv = n_full * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_item
+    gdn = n_lin * ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * np.dtype(dt).itemsize
+                   + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
+    skipped = defaultdict(int)
+    for k, (shape, d) in headers.items():
+        if k.startswith("model.visual."):
+            skipped["model.visual.*"] += int(np.prod(shape)) * ST_ITEMSIZE[d]
+    return Plan(cfg, headers, {k: _label(k, d, quant_modules) for k, (_, d) in headers.items()}, int(device), kv, gdn,
+                dict(skipped))
+
+
+def plan_folder(path: str, *, dtype=None) -> Plan:
+    from qjax.loading import Checkpoint
+
+    cfg = TextConfig.from_file(path)
+    qc = QuantizationConfig.from_config_json(os.path.join(path, "config.json"))
+    ckpt = Checkpoint(path)
+    try:
+        headers = {k: (tuple(ckpt.shape(k)), ckpt.dtype(k)) for k in ckpt.keys()}
+    finally:
+        ckpt.close()
+    return plan(cfg, headers, qc, dtype=dtype)
+
+
+def plan_recipe(config_path: str, recipe: str, *, dtype="bfloat16") -> Plan:
+    """A hypothetical checkpoint of ``config_path``'s model quantized with ``recipe`` (shapes only)."""
+    import jax.numpy as jnp
+
+    from qjax.model import abstract_model
+    from qjax.quant.rtn import _is_linear, _quantized_entries
+
+    cfg = TextConfig.from_file(config_path)
+    raw = recipe_to_qconfig(recipe)
+    qc = None if raw is None else QuantizationConfig.from_dict(raw, source=f"recipe {recipe!r}")
+    dense = abstract_model(cfg, dtype=jnp.dtype(dtype))
+    from qjax.convert.hf_writer import _all_per_expert
+    from qjax.loading import _leaf_shapes, expected_tensors
+
+    targets = expected_tensors(dense, _leaf_shapes(dense), fused_experts=_all_per_expert(cfg, dense),
+                               text_prefix="model.")
+    st = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}[str(jnp.dtype(dtype))]
+    headers: dict[str, tuple[tuple[int, ...], str]] = {}
+    for key, t in targets.items():
+        module = key[: -len(".weight")] if key.endswith(".weight") else None
+        sch = None
+        if qc is not None and module is not None and len(t.shape) == 2:
+            sch = qc.scheme_for(module, is_linear=_is_linear(module))
+        if sch is None:
+            headers[key] = (tuple(t.shape), st)
+        else:
+            for k, (shape, d, _) in _quantized_entries(module, sch, tuple(t.shape), None, None, st).items():
+                headers[k] = (shape, d)
+    if qc is not None and qc.kv_cache is not None:
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == FULL:
+                n = 1 if qc.kv_cache.strategy == "tensor" else cfg.num_key_value_heads
+                headers[f"model.layers.{i}.self_attn.k_scale"] = ((n,), "F32")
+                headers[f"model.layers.{i}.self_attn.v_scale"] = ((n,), "F32")
+    return plan(cfg, headers, qc, dtype=jnp.dtype(dtype))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**28 else f"{n / 2**20:,.2f} MiB"
+
+
+def format_plan(p: Plan, *, title: str) -> str:
+    """The report ``qjax inspect`` prints."""
+    by_scheme: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for k, (shape, d) in p.headers.items():
+        label = "skipped (vision)" if k.startswith("model.visual.") else p.scheme_of[k]
+        cell = by_scheme[label][d]
+        cell[0] += 1
+        cell[1] += int(np.prod(shape)) * ST_ITEMSIZE[d]
+    lines = [title, "", f"{'scheme':<22} {'dtype':<8} {'tensors':>8} {'bytes':>14}"]
+    total = 0
+    for label in sorted(by_scheme):
+        for d, (n, b) in sorted(by_scheme[label].items()):
+            lines.append(f"{label:<22} {d:<8} {n:>8,} {_gib(b):>14}")
+            total += b
+    lines += ["", f"on disk: {_gib(total)} in {len(p.headers):,} tensors",
+              f"device memory, weights as qjax holds them: {_gib(p.device_bytes)}",
+              f"KV cache: {p.kv_bytes_per_token / 1024:,.2f} KiB per token per sequence "
+              f"({sum(t == FULL for t in p.cfg.layer_types)} full-attention layers)",
+              f"GDN state: {_gib(p.gdn_bytes_per_sequence)} per sequence "
+              f"({sum(t == LINEAR for t in p.cfg.layer_types)} layers: conv window + fp32 recurrent state)"]
+    for ctx in (4096, 32768, 262144):
+        lines.append(f"  batch 1 at {ctx:>7,} tokens: weights + KV + state = "
+                     f"{_gib(p.device_bytes + ctx * p.kv_bytes_per_token + p.gdn_bytes_per_sequence)}")
+    return "\n".join(lines)
