@@ -21,6 +21,10 @@ whose columns are not a multiple of `group_size` (e.g. g128 on 64 input features
 describes it (scale `[out, ceil(K/G)]`, rows packed and cut to `weight_shape`). For those modules the weight is zero
 padded to whole groups, run through the same library compressor / decompressor, and cut back (`_compress_padded`,
 `_decompress_padded`); with K a multiple of G the library is called unchanged.
+A second one: compressed-tensors 0.20.1's int4 unpacking of zero points fails ("view Int as Byte") on a packed zero
+point of one row and several groups (int4 asymmetric, <= 8 output rows, K > G); `_dequantize_tensors` hands it the same
+values stored column-major. And 0.20.1 no longer recognises transformers 5.24's attention (`past_key_values` renamed
+`cache`) as a KV-cache module, so the KV scales are observed here and `kv_cache_scheme` is set on the config directly.
 """
 
 from __future__ import annotations
@@ -317,7 +321,8 @@ def write_ct_checkpoint(
 
     recipe keys:
       groups: list of {"targets": [...], "weights": QuantizationArgs fields, optional "format",
-              optional "input_activations"}; the first matching group wins, as in compressed-tensors.
+              optional "input_activations"}; compressed-tensors' precedence (exact name, then "re:", then class
+              "Linear"); the written config renames them group_0.. in module order.
       ignore: names / "re:" patterns (on-disk names) left unquantized.
       kv_cache: None | {"strategy": "tensor" | "attn_head", optional "dtype": "bfloat16" | "float32"} -> FP8 KV
               scales (per tensor: [1], default dtype bf16 with bf16 weight scales (llmcompressor) else f32
@@ -367,12 +372,12 @@ def write_ct_checkpoint(
         extra_tensors = {k: v for k, v in aux.items() if k.startswith("mtp.")}  # outside the producer's module tree
     else:
         root.model = work.model
-        config = json.loads(text_cfg.to_json_string(use_diff=False))
+        config = json.loads(text_cfg.to_json_string())  # what `save_pretrained` writes
         config["architectures"] = ["Qwen3_5MoeForCausalLM"]
     root.lm_head = work.lm_head
     text_prefix = _OFFICIAL_PREFIX if official_layout else "model."
 
-    # 1. schemes onto the modules (compressed-tensors matching: targets, ignore, first group wins)
+    # 1. schemes onto the modules (compressed-tensors matching of targets / ignore)
     logger.disable("compressed_tensors")  # per-module warnings about the partial groups handled below
     try:
         apply_quantization_config(root, _recipe_qconfig(recipe, scale_dtype, extra_ignore), show_progress=False)

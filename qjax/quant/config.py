@@ -464,7 +464,7 @@ class _Parser:
             symmetric=w.symmetric,
             strategy=w.strategy,
             group_size=w.group_size if w.strategy == "group" else None,
-            scale_dtype=w.scale_dtype,
+            scale_dtype="uint8" if fmt == MXFP8_QUANTIZED else w.scale_dtype,
         )
         return name, tuple(targets), scheme
 
@@ -487,7 +487,9 @@ class _Parser:
                              f"not supported; {mx}")
         if w.group_size != MX_GROUP_SIZE:
             raise self.error(f"{where}.group_size", f"float 8-bit group_size {w.group_size} is not MXFP8; {mx}")
-        if w.scale_dtype != "uint8":
+        # compressed-tensors >= 0.20 omits a null scale_dtype when serialising; its MXFP8 compressor then uses uint8
+        # (E8M0). The loader still checks that the stored scales really are U8.
+        if w.scale_dtype not in ("uint8", None):
             raise self.error(f"{where}.scale_dtype", f"float 8-bit group 32 with scale_dtype {w.scale_dtype!r} is "
                              f"not MXFP8 (E8M0 scales need uint8); {mx}")
         if not w.symmetric:

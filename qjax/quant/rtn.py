@@ -110,9 +110,12 @@ def _quantized_entries(module: str, scheme, shape, get, weight_dtype, st_dtype) 
                     values, scale = quantize_mxfp8(w)
                     cache.update(weight=values, weight_scale=scale)
                 else:
-                    q, scale, zp = quantize_int(w, scheme.num_bits, symmetric=scheme.symmetric,
-                                                strategy=scheme.strategy, group_size=scheme.group_size,
-                                                scale_dtype=scheme.scale_dtype)
+                    try:
+                        q, scale, zp = quantize_int(w, scheme.num_bits, symmetric=scheme.symmetric,
+                                                    strategy=scheme.strategy, group_size=scheme.group_size,
+                                                    scale_dtype=scheme.scale_dtype)
+                    except ValueError as e:
+                        raise ValueError(f"{module} {list(w.shape)}: {e}") from None
                     cache.update(weight_packed=pack_int32(q, scheme.num_bits), weight_scale=scale,
                                  weight_shape=np.asarray(w.shape, np.int64))
                     if zp is not None:
