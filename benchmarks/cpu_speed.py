@@ -1,27 +1,28 @@
 """CPU prefill and decode throughput: qjax vs transformers (same machine, same run, same weights).
 
 For each config a seeded transformers ``Qwen3_5MoeForCausalLM`` (torch.manual_seed(0), float32, eval) is saved with
-``save_pretrained`` and loaded with ``qjax.load_model``; both then run the same token ids.
+``save_pretrained``; transformers reloads it (``attn_implementation="eager"``, ``experts_implementation="eager"``,
+optionally also with its defaults, sdpa + grouped_mm) and ``qjax.load_model`` loads it; both run the same token ids.
 
-Measured per config (fp32; ``mid`` also in bf16 unless ``--no-bf16``):
+Measured per config (fp32; ``mid`` also in bf16 unless ``--no-bf16``, with ``--bf16-new-tokens`` new tokens):
 
 - prefill tok/s, ``1×512`` and ``4×128``: transformers ``model(ids, use_cache=True)`` under ``torch.no_grad``;
   qjax ``qjax.extend`` into a fresh cache (all positions' logits, like transformers).
-- decode tok/s, batch 1 and 4, a 32-token prompt, ``N`` new tokens greedy (N = 64; ``--mid-new-tokens`` for mid):
-  transformers ``generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)``, qjax ``qjax.generate(...,
+- decode tok/s, batch 1 and 4, a 32-token prompt, N new tokens greedy (N = 64 by default): transformers
+  ``generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)``, qjax ``qjax.generate(...,
   eos_token_id=[])``. decode time = generate time − prefill time of the same prompt (both forward the prompt once and
-  run N−1 single-token steps), decode tok/s = B·(N−1) / decode time.
+  then run N−1 single-token steps), decode tok/s = B·(N−1) / decode time.
 
-Every time is the median of ``--repeats`` runs after one untimed warm-up call with the same shapes (fewer, but ≥3,
-for transformers cases that take over ``--slow-s`` seconds per call). qjax results are forced with
-``jax.block_until_ready`` / ``np.asarray``; the first (compiling) call is timed separately and its excess over the
-steady-state median is reported as the compile time. torch runs with 2 threads.
-
-The transformers baseline is ``attn_implementation="eager"`` with ``experts_implementation="eager"`` (the Python
-loop over experts); ``--hf-default`` adds transformers' defaults (sdpa attention + grouped_mm experts) as a second
-baseline column. Sanity: qjax's greedy tokens must equal transformers' for the tiny fp32 config (asserted).
+Contenders of one measurement are timed interleaved (a, b, c, a, b, c, …) after one untimed warm-up call each with
+the same shapes, so a burst of load from other processes hits all of them alike; each time is the median of
+``--repeats`` runs (≥3 for a callable whose calls average over ``--slow-s`` seconds). qjax results are forced with
+``jax.block_until_ready`` / ``np.asarray``; the first (compiling) call's excess over the steady-state median is
+reported as qjax's compile time. torch runs with 2 threads. Sanity: qjax's greedy tokens must equal transformers'
+for the tiny fp32 config (asserted, prints MATCH).
 
     python benchmarks/cpu_speed.py [--configs tiny,mid] [--repeats N] [--no-write]
+
+Writes (replaces) the section ``## CPU: qjax vs transformers eager (issue 2)`` of ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class Timing:
 def bench(fns: dict, repeats: int, slow_s: float = 1e9, min_repeats: int = 3) -> dict[str, Timing]:
     """Time several callables against each other: one warm-up call each (timed separately), then ``repeats``
     interleaved rounds (a, b, c, a, b, c, …) so that a burst of load from other processes hits every contender
-    alike. A callable whose calls average over ``slow_s`` stops after ``min_repeats`` rounds."""
+    alike. A callable whose calls average over ``slow_s`` seconds stops after ``min_repeats`` rounds."""
     first, runs = {}, {k: [] for k in fns}
     for k, fn in fns.items():
         t0 = time.perf_counter()
@@ -131,8 +132,8 @@ class Row:
     qjax_prefill: Timing | None = None  # decode rows: prompt prefill subtracted
     hf_prefill: Timing | None = None
     hf_default_prefill: Timing | None = None
-    note: str = ""
     extra: dict = field(default_factory=dict)
+    load: float | None = None  # 1-minute load average when the row finished (other processes' load shows here)
 
     def _time(self, t: Timing | None, p: Timing | None) -> float | None:
         if t is None:
@@ -176,7 +177,7 @@ def run_config(name: str, dtypes: list[str], args, rows: list[Row], log) -> None
                                                        experts_implementation="eager").eval()
             impls = f"attn={hf.config._attn_implementation}, experts={hf.config._experts_implementation}"
             hf_def = None
-            if args.hf_default:
+            if args.hf_default and (dtype_name == "fp32" or args.hf_default_bf16):
                 hf_def = Qwen3_5MoeForCausalLM.from_pretrained(folder, dtype=tdtype).eval()
                 impls += (f"; default: attn={hf_def.config._attn_implementation}, "
                           f"experts={hf_def.config._experts_implementation}")
@@ -236,12 +237,17 @@ def bench_model(name, dtype_name, hf, hf_def, model, vocab, args, log) -> list[R
             with torch.no_grad():
                 ref = hf(ids_t).logits.float().numpy()
             got = np.asarray(fns["qjax"](), np.float32)
-            row.extra["max|Δlogits|"] = float(np.max(np.abs(got - ref)))
+            row.extra["max abs Δlogits"] = float(np.max(np.abs(got - ref)))
+        row.load = os.getloadavg()[0]
         rows.append(row)
         log(_fmt_row(row))
 
     # ---- decode -----------------------------------------------------------------------------------------------------
-    n_new = args.mid_new_tokens if name == "mid" and args.mid_new_tokens else args.new_tokens
+    n_new = args.new_tokens
+    if name == "mid" and args.mid_new_tokens:
+        n_new = args.mid_new_tokens
+    if dtype_name == "bf16" and args.bf16_new_tokens:
+        n_new = args.bf16_new_tokens
     p = args.prompt
     for b in (1, 4):
         ids = rng.integers(0, vocab, (b, p), dtype=np.int64)
@@ -272,10 +278,13 @@ def bench_model(name, dtype_name, hf, hf_def, model, vocab, args, log) -> list[R
         assert out["hf"].shape == (b, p + n_new), out["hf"].shape
         same = np.array_equal(out["qjax"], out["hf"])
         agree = float(np.mean(out["qjax"][:, p:] == out["hf"][:, p:]))
-        row.extra["greedy"] = "MATCH" if same else f"differ ({agree:.0%} of new tokens equal)"
+        first = float(np.mean(out["qjax"][:, p] == out["hf"][:, p]))
+        row.extra["greedy"] = ("MATCH" if same else
+                               f"differ (first token equal in {first:.0%} of rows, {agree:.0%} of all new tokens)")
         if name == "tiny" and dtype_name == "fp32":
             assert same, f"tiny fp32 greedy tokens differ: qjax {out['qjax'][:, p:]} vs transformers {out['hf'][:, p:]}"
             log("tiny fp32 greedy tokens qjax == transformers: MATCH")
+        row.load = os.getloadavg()[0]
         rows.append(row)
         log(_fmt_row(row))
     return rows
@@ -313,6 +322,7 @@ def markdown(rows: list[Row], meta: dict, with_default: bool) -> str:
              f"- machine: {meta['cpu']}, {meta['cores']} cores (`nproc` {meta['nproc']}); torch threads {meta['torch_threads']}",
              f"- command: `{meta['command']}`",
              f"- qjax: commit {meta['git']}",
+             f"- thread env vars: {meta['env']}",
              f"- versions: jax {meta['jax']} (jaxlib {meta['jaxlib']}, backend {meta['backend']}), flax {meta['flax']}, "
              f"torch {meta['torch']}, transformers {meta['transformers']}, python {meta['python']}",
              f"- method: {meta['method']}",
@@ -329,31 +339,35 @@ def markdown(rows: list[Row], meta: dict, with_default: bool) -> str:
         cells = [r.config, r.dtype, r.phase, r.shape, _num(q), _num(h), _ratio(q, h)]
         if with_default:
             cells += [_num(r.tps("hf_default")), _ratio(q, r.tps("hf_default"))]
-        comp = r.qjax.compile_s if r.qjax_prefill is None else r.qjax.compile_s
         target = "–"
         if r.phase == "decode":
             target = "MET" if (q is not None and h and q / h >= TARGET) else "MISSED"
         check = "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k}: {v}" for k, v in r.extra.items())
-        cells += [f"{comp:.1f}", target, check]
+        cells += [f"{r.qjax.compile_s:.1f}", target, check]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Raw medians (seconds; decode rows: generate / prompt prefill):")
+    lines.append("qjax compile: prefill rows `qjax.extend`; decode rows the first `qjax.generate` (prefill + decode "
+                 "loop programs).")
+    lines.append("")
+    lines.append("Raw timings in seconds — median [min] over n runs; decode rows: generate − prompt prefill = decode, "
+                 "and ms per decode step; load = 1-min load average when the row finished:")
     lines.append("")
     lines.append("```")
+
+    def raw(t: Timing, p: Timing | None, steps: int) -> str:
+        s = f"{t.median:.4f} [{min(t.runs):.4f}] n={len(t.runs)}"
+        if p is not None:
+            d = t.median - p.median
+            s += f" − {p.median:.4f} [{min(p.runs):.4f}] = {d:.4f} ({1e3 * d / steps:.1f} ms/step)"
+        return s
+
     for r in rows:
-        s = f"{r.config} {r.dtype} {r.phase} {r.shape}: qjax {r.qjax.median:.4f}"
-        if r.qjax_prefill:
-            s += f" / {r.qjax_prefill.median:.4f}"
-        s += f" (n={len(r.qjax.runs)}), eager {r.hf.median:.4f}"
-        if r.hf_prefill:
-            s += f" / {r.hf_prefill.median:.4f}"
-        s += f" (n={len(r.hf.runs)})"
+        steps = max(1, int(re.match(r"\d+×(\d+)", r.shape).group(1)) - 1) if r.phase == "decode" else 1
+        lines.append(f"{r.config} {r.dtype} {r.phase} {r.shape} (load {r.load:.1f}):")
+        lines.append(f"    qjax     {raw(r.qjax, r.qjax_prefill, steps)}")
+        lines.append(f"    eager    {raw(r.hf, r.hf_prefill, steps)}")
         if r.hf_default is not None:
-            s += f", default {r.hf_default.median:.4f}"
-            if r.hf_default_prefill:
-                s += f" / {r.hf_default_prefill.median:.4f}"
-            s += f" (n={len(r.hf_default.runs)})"
-        lines.append(s)
+            lines.append(f"    default  {raw(r.hf_default, r.hf_default_prefill, steps)}")
     lines.append("```")
     if meta.get("notes"):
         lines += ["", *meta["notes"]]
@@ -417,28 +431,40 @@ def machine_meta(args) -> dict:
         cpu=cpu, cores=cores, nproc=os.cpu_count(), torch_threads=torch.get_num_threads(),
         command="python " + " ".join(shlex.quote(a) for a in sys.argv),
         git=git_state(),
+        env=", ".join(f"{k}={os.environ[k]!r}" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                                         "XLA_FLAGS") if k in os.environ) or "none set",
         jax=jax.__version__, jaxlib=jaxlib.__version__, backend=jax.default_backend(), flax=flax.__version__,
         torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
-        method=(f"median of {args.repeats} interleaved runs (qjax, transformers, … in turn) after one warm-up call "
-                f"each with the same shapes (transformers: ≥3 runs when a call takes > {args.slow_s:g}s); prefill = `model(ids, use_cache=True)` vs `qjax.extend` "
-                f"into a fresh cache; decode = generate({args.prompt}-token prompt, N new, greedy) − prefill of the "
-                f"prompt, tok/s = B·(N−1)/time; qjax compile = first call − steady median"),
+        method=(f"median of {args.repeats} interleaved runs (qjax, transformers, … in turn; 3 when a call takes "
+                f"> {args.slow_s:g}s) after one warm-up call each with the same shapes; prefill = transformers "
+                f"`model(ids, use_cache=True)` vs `qjax.extend` into a fresh cache; decode = generate("
+                f"{args.prompt}-token prompt, N new, greedy) − prefill of the prompt, tok/s = B·(N−1)/time; qjax "
+                f"compile = first call − steady median; transformers eager = attn_implementation and "
+                f"experts_implementation both \"eager\""),
     )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default="tiny,mid")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--configs", default="tiny,mid", help="comma-separated: tiny, mid")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/RESULTS.md alone")
     ap.add_argument("--no-bf16", action="store_true", help="skip the mid bf16 rows")
     ap.add_argument("--hf-default", action=argparse.BooleanOptionalAction, default=True,
-                    help="also time transformers' defaults (sdpa + grouped_mm)")
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
+                    help="also time transformers' defaults (sdpa + grouped_mm), fp32 rows")
+    ap.add_argument("--hf-default-bf16", action="store_true", help="... and for the bf16 rows too")
+    ap.add_argument("--prompt", type=int, default=32, help="decode prompt length")
+    ap.add_argument("--new-tokens", type=int, default=64, help="decode new tokens")
     ap.add_argument("--mid-new-tokens", type=int, default=0, help="new tokens for mid (0: --new-tokens)")
-    ap.add_argument("--slow-s", type=float, default=5.0, help="transformers calls slower than this get ≥3 repeats")
+    ap.add_argument("--bf16-new-tokens", type=int, default=16, help="new tokens for bf16 rows (0: as fp32)")
+    ap.add_argument("--slow-s", type=float, default=2.0,
+                    help="a callable whose calls average over this many seconds gets only 3 timed runs")
+    ap.add_argument("--openblas-threads", type=int, default=None,
+                    help="set OPENBLAS_NUM_THREADS (jax's CPU LAPACK calls, e.g. the GDN triangular solve, run on "
+                         "scipy's OpenBLAS); default: leave the environment alone")
     args = ap.parse_args(argv)
+    if args.openblas_threads is not None:
+        os.environ["OPENBLAS_NUM_THREADS"] = str(args.openblas_threads)  # before jax/scipy load OpenBLAS
 
     import torch
     torch.set_num_threads(2)
@@ -457,6 +483,12 @@ def main(argv=None) -> int:
     if steal0 and steal1 and steal1[1] > steal0[1]:
         contention += f"; CPU steal during the run {100 * (steal1[0] - steal0[0]) / (steal1[1] - steal0[1]):.1f}%"
     notes = [f"Total benchmark wall time: {time.perf_counter() - t_start:.0f}s ({contention})."]
+    busiest = max([load0[0], os.getloadavg()[0]] + [r.load for r in rows if r.load is not None])
+    if busiest > (os.cpu_count() or 1) + 0.5:
+        notes.append(f"**Warning: the machine was shared** (1-min load average up to {busiest:.1f} on "
+                     f"{os.cpu_count()} CPUs while this ran): both implementations use 2 threads, and an "
+                     "oversubscribed core can slow either by 10-100×; rerun on a quiet machine before trusting "
+                     "absolute numbers.")
     tiny_dec = [r for r in rows if r.config == "tiny" and r.dtype == "fp32" and r.phase == "decode"]
     if tiny_dec:
         notes.append("Sanity: tiny fp32 greedy tokens, qjax vs transformers: "

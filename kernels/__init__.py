@@ -1,10 +1,15 @@
 """Dequant-matmul kernels (installed as ``qjax.kernels``).
 
-Entry points the quantized layers call: :func:`qmatmul` (dense ``x @ dequant(W)ᵀ``) and :func:`dequantize_experts`
-(the MoE path). Today they are the plain-JAX references; the Pallas (Triton) implementations plug in behind the same
-signatures.
+Entry points the quantized layers call — each dispatches (see :mod:`.dispatch`) between a plain-JAX reference and
+a Pallas (Triton) kernel with the same signature:
+- :func:`qmatmul`: dense ``x @ dequant(W)ᵀ``;
+- :func:`moe_experts`: routed SwiGLU experts with packed ``[E, …]`` weights and the routing-weight combine.
 """
 
-from .reference import QuantMeta, dequantize, dequantize_experts, qmatmul, unpack_int
+from .dispatch import IMPLS, resolve
+from .moe_reference import routed_experts
+from .ops import moe_experts, qmatmul
+from .reference import QuantMeta, dequantize, dequantize_experts, unpack_int
 
-__all__ = ["QuantMeta", "dequantize", "dequantize_experts", "qmatmul", "unpack_int"]
+__all__ = ["IMPLS", "QuantMeta", "dequantize", "dequantize_experts", "moe_experts", "qmatmul", "resolve",
+           "routed_experts", "unpack_int"]

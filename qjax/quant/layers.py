@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.kernels import QuantMeta, dequantize_experts, qmatmul
+from qjax.kernels import QuantMeta, moe_experts, qmatmul
 
 
 class Packed(nnx.Variable):
@@ -57,15 +57,8 @@ class QuantExperts(nnx.Module):
         self.down_proj = PackedWeight(down, lead=(num_experts,))
 
     def __call__(self, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:
-        from qjax.moe import routed_experts
-
-        def gate_up(sel):
-            return dequantize_experts(*self.gate_up_proj.arrays(), self.gate_up_proj.meta, sel, x.dtype)
-
-        def down(sel):
-            return dequantize_experts(*self.down_proj.arrays(), self.down_proj.meta, sel, x.dtype)
-
-        return routed_experts(x, idx, weights, gate_up, down, num_experts=self.gate_up_proj.weight_packed.shape[0])
+        return moe_experts(x, idx, weights, (*self.gate_up_proj.arrays(), self.gate_up_proj.meta),
+                           (*self.down_proj.arrays(), self.down_proj.meta))
 
 
 def fake_quant_fp8(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:

@@ -1,0 +1,94 @@
+"""Plain-JAX reference of the routed-expert computation (dense or quantized experts), the oracle of the Pallas
+MoE kernels.
+
+Two ways, picked statically from the number of token-slots ``N·k``:
+- *gather* (decode): fetch the k expert matrices each token needs — reads only those weights;
+- *grouped* (prefill): sort token-slots by expert and run ``ragged_dot`` — one grouped matmul per projection.
+Both contract the weights in their stored ``[out, in]`` layout, so no transposed copy of the experts is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from .reference import QuantMeta, dequantize_experts
+
+def _dot_out_in(x: jnp.ndarray, w: jnp.ndarray, spec: str) -> jnp.ndarray:
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jnp.einsum(spec, x, w.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
+
+
+WeightFn = Callable[[jnp.ndarray | None], jnp.ndarray]  # expert indices (or None: all) → dense [..., out, in]
+
+
+def experts_gather(x, idx, weights, gate_up: WeightFn, down: WeightFn):
+    """Routed experts by gathering each token's k expert matrices (cheap when N·k is small).
+
+    Args:
+      x: ``[N, H]``; idx, weights: ``[N, k]``.
+      gate_up, down: give the dense ``[N, k, 2I, H]`` / ``[N, k, H, I]`` matrices of the selected experts.
+    Returns:
+      ``[N, H]`` float32 (the weighted sum over the k experts).
+    """
+    gu = _dot_out_in(x, gate_up(idx), "nh,nkoh->nko").astype(x.dtype)  # [N, k, 2I]
+    inter = gu.shape[-1] // 2
+    act = (jax.nn.silu(gu[..., :inter]) * gu[..., inter:]).astype(x.dtype)
+    out = _dot_out_in(act, down(idx), "nki,nkhi->nkh")  # [N, k, H]
+    return jnp.einsum("nkh,nk->nh", out, weights.astype(jnp.float32))
+
+
+def experts_grouped(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_experts: int):
+    """Routed experts by sorting token-slots by expert and running two ``ragged_dot`` s (same contract as gather)."""
+    n, k = idx.shape
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    xs = x[token]  # [N·k, H] sorted by expert
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    # contract lhs dim 1 with the stored "in" dim (2) of [E, out, in]; rhs dim 0 is the group dim
+    dn = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    gu = jax.lax.ragged_dot_general(xs, gate_up(None).astype(x.dtype), sizes, dn, precision=precision,
+                                    preferred_element_type=jnp.float32).astype(x.dtype)
+    inter = gu.shape[-1] // 2
+    act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(x.dtype)
+    out = jax.lax.ragged_dot_general(act, down(None).astype(x.dtype), sizes, dn, precision=precision,
+                                     preferred_element_type=jnp.float32)
+    w_sorted = weights.reshape(-1)[order].astype(jnp.float32)
+    return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(out * w_sorted[:, None])
+
+
+def routed_experts(x, idx, weights, gate_up: WeightFn, down: WeightFn, *, num_experts: int):
+    """Dispatch on the static token count: gather when the token-slots touch fewer matrices than exist."""
+    if idx.shape[0] * idx.shape[1] <= num_experts:
+        return experts_gather(x, idx, weights, gate_up, down)
+    return experts_grouped(x, idx, weights, gate_up, down, num_experts)
+
+
+
+
+def moe_experts(x, idx, weights, gate_up: tuple, down: tuple) -> jnp.ndarray:
+    """Routed SwiGLU experts with packed weights: ``Σ_k w_k · down_e(silu(gate_e x) · up_e x)``.
+
+    Args:
+      x: ``[N, H]`` activations; idx, weights: ``[N, k]`` expert ids (int32) and routing weights.
+      gate_up: ``(packed, scale, zero, meta)`` of the stacked ``[E, 2I, H]`` weight (rows ``:I`` gate, ``I:`` up).
+      down: the same for ``[E, H, I]``.
+    Returns:
+      ``[N, H]`` float32.
+    """
+    gu_meta: QuantMeta = gate_up[3]
+    dn_meta: QuantMeta = down[3]
+    num_experts = gate_up[0].shape[0]
+
+    def gu(sel):
+        return dequantize_experts(*gate_up[:3], gu_meta, sel, x.dtype)
+
+    def dn(sel):
+        return dequantize_experts(*down[:3], dn_meta, sel, x.dtype)
+
+    return routed_experts(x, idx, weights, gu, dn, num_experts=num_experts)
