@@ -1,0 +1,187 @@
+"""Dequant-matmul kernels at the real Qwen3.6-35B-A3B layer shapes: reference vs Pallas, against the copy bandwidth.
+
+For every dense shape (N×K: 8192×2048 q_proj/in_proj_qkv, 2048×4096 o_proj/out_proj, 4096×2048 in_proj_z, expert
+512×2048 and 2048×512) × M ∈ {1, 8, 64, 512} × scheme (INT2 g64, INT4 g128, INT8 g32, MXFP8), and for the MoE layer
+(256 experts, top-8, H 2048, I 512) × tokens ∈ {1, 8, 64, 512}:
+
+- ``ref``: the plain-JAX reference (XLA dequantize + dot; for MoE: XLA dequantize of all experts + ``ragged_dot``,
+  the baseline the issue names);
+- ``pallas``: the Pallas (Triton) kernel (GPU only; ``--check`` compares it with the reference first);
+- ``bf16``: a bf16 matmul of the same shape (dense) / the bf16-weight MoE reference;
+- bytes moved (packed weights + scales + zero points + activations in/out) ÷ time, and that as a share of the copy
+  bandwidth measured in the same run (a jitted copy of a 1 GiB array; read + write counted).
+
+Each time is the median of ``--repeats`` runs after a warm-up. Weights are random packed words made on the device.
+
+    python benchmarks/kernels.py [--check] [--repeats 20] [--filter int4] [--impl pallas|interpret|reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qjax.kernels import QuantMeta, ops
+from qjax.kernels.moe_reference import experts_grouped
+from qjax.kernels.reference import dequantize
+
+DENSE_SHAPES = [(8192, 2048), (2048, 4096), (4096, 2048), (512, 2048), (2048, 512)]
+MS = [1, 8, 64, 512]
+SCHEMES = {"int2_g64": ("int", 2, 64), "int4_g128": ("int", 4, 128), "int8_g32": ("int", 8, 32),
+           "mxfp8": ("mxfp8", 8, 32)}
+MOE = dict(experts=256, top_k=8, hidden=2048, inter=512)
+
+
+def make_weight(key, scheme: str, n: int, k: int, lead: tuple[int, ...] = ()):
+    fmt, bits, group = SCHEMES[scheme]
+    meta = QuantMeta(fmt, bits, group, k, n, True, "group", "uint8" if fmt == "mxfp8" else "bfloat16")
+    k1, k2 = jax.random.split(key)
+    if fmt == "mxfp8":
+        packed = jax.random.normal(k1, (*lead, n, k), jnp.float32).astype(jnp.float8_e4m3fn)
+        scale = jax.random.randint(k2, (*lead, n, k // 32), 118, 124, jnp.int32).astype(jnp.uint8)
+    else:
+        packed = jax.random.randint(k1, (*lead, n, meta.packed_cols), jnp.iinfo(jnp.int32).min,
+                                    jnp.iinfo(jnp.int32).max, jnp.int32)
+        scale = (jax.random.uniform(k2, (*lead, n, meta.num_groups), jnp.float32, 0.5, 1.5) * 0.01).astype(
+            jnp.bfloat16)
+    return packed, scale, None, meta
+
+
+def nbytes(*arrays) -> int:
+    return sum(int(a.size) * a.dtype.itemsize for a in arrays if a is not None)
+
+
+def timeit(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Bytes/s of a jitted copy of a 1 GiB array (read + write)."""
+    n = (1 << 30) // 4 if jax.default_backend() != "cpu" else (1 << 27) // 4
+    x = jnp.arange(n, dtype=jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    return 2 * x.nbytes / timeit(f, x, repeats=repeats)
+
+
+def dense_cases(args, bw, rows):
+    key = jax.random.key(0)
+    for (n, k) in DENSE_SHAPES:
+        for scheme in SCHEMES:
+            if args.filter and args.filter not in f"dense {scheme} {n}x{k}":
+                continue
+            packed, scale, zero, meta = make_weight(key, scheme, n, k)
+            w_bf16 = dequantize(packed, scale, zero, meta, jnp.bfloat16)
+            for m in MS:
+                x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+                ref = jax.jit(lambda x, p, s: ops.qmatmul(x, p, s, None, meta, impl="reference"))
+                bf = jax.jit(lambda x, w: x @ w.T)
+                row = dict(case=f"dense {scheme} {n}x{k}", m=m)
+                row["ref"] = timeit(ref, x, packed, scale, repeats=args.repeats)
+                row["bf16"] = timeit(bf, x, w_bf16, repeats=args.repeats)
+                moved = nbytes(packed, scale, x) + m * n * 2
+                if args.impl != "reference":
+                    pal = jax.jit(lambda x, p, s: ops.qmatmul(x, p, s, None, meta, impl=args.impl))
+                    if args.check:
+                        a = np.asarray(pal(x, packed, scale), np.float32)
+                        b = np.asarray(ref(x, packed, scale), np.float32)
+                        row["err"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+                    row["pallas"] = timeit(pal, x, packed, scale, repeats=args.repeats)
+                    row["bw"] = moved / row["pallas"] / bw
+                row["ref_bw"] = moved / row["ref"] / bw
+                rows.append(row)
+                print(fmt_row(row), flush=True)
+
+
+def moe_cases(args, bw, rows):
+    e, k_top, h, inter = MOE["experts"], MOE["top_k"], MOE["hidden"], MOE["inter"]
+    for scheme in SCHEMES:
+        if args.filter and args.filter not in f"moe {scheme}":
+            continue
+        gu = make_weight(jax.random.key(1), scheme, 2 * inter, h, (e,))
+        dn = make_weight(jax.random.key(2), scheme, h, inter, (e,))
+        for n in MS:
+            x = jax.random.normal(jax.random.key(n), (n, h), jnp.bfloat16)
+            logits = jax.random.normal(jax.random.key(n + 1), (n, e), jnp.float32)
+            w, idx = jax.lax.top_k(jax.nn.softmax(logits), k_top)
+            w = (w / w.sum(-1, keepdims=True)).astype(jnp.bfloat16)
+
+            def baseline(x, idx, w, gp, gs, dp, ds):
+                # XLA's dequantize + ragged_dot (what the Pallas MoE kernel must beat by 3×)
+                gw = dequantize(gp, gs, None, gu[3], x.dtype)
+                dw = dequantize(dp, ds, None, dn[3], x.dtype)
+                return experts_grouped(x, idx, w, lambda s: gw, lambda s: dw, e)
+
+            base = jax.jit(baseline)
+            args_ = (x, idx.astype(jnp.int32), w, gu[0], gu[1], dn[0], dn[1])
+            row = dict(case=f"moe {scheme} E{e} top{k_top}", m=n)
+            row["ref"] = timeit(base, *args_, repeats=args.repeats)
+            active = min(e, n * k_top)
+            moved = (nbytes(gu[0], gu[1]) + nbytes(dn[0], dn[1])) * active // e + nbytes(x) * 2
+            if args.impl != "reference":
+                pal = jax.jit(lambda x, idx, w, gp, gs, dp, ds: ops.moe_experts(
+                    x, idx, w, (gp, gs, None, gu[3]), (dp, ds, None, dn[3]), impl=args.impl))
+                if args.check:
+                    a = np.asarray(pal(*args_), np.float32)
+                    b = np.asarray(base(*args_), np.float32)
+                    row["err"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+                row["pallas"] = timeit(pal, *args_, repeats=args.repeats)
+                row["bw"] = moved / row["pallas"] / bw
+            row["ref_bw"] = moved / row["ref"] / bw
+            rows.append(row)
+            print(fmt_row(row), flush=True)
+
+
+HEADER = (f"{'case':<28} {'M':>4} {'ref µs':>9} {'pallas µs':>10} {'bf16 µs':>9} {'pallas/ref':>10} "
+          f"{'%copyBW':>8} {'max rel err':>12}")
+
+
+def fmt_row(r) -> str:
+    pal = r.get("pallas")
+    return (f"{r['case']:<28} {r['m']:>4} {r['ref'] * 1e6:>9.1f} "
+            f"{(pal * 1e6 if pal else float('nan')):>10.1f} {r.get('bf16', float('nan')) * 1e6:>9.1f} "
+            f"{(r['ref'] / pal if pal else float('nan')):>9.2f}× "
+            f"{100 * r.get('bw', r['ref_bw']):>7.1f}% {r.get('err', float('nan')):>12.2e}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--filter", default="")
+    p.add_argument("--check", action="store_true", help="compare Pallas with the reference before timing")
+    p.add_argument("--impl", default=None, choices=["pallas", "interpret", "reference"],
+                   help="default: pallas on GPU, reference elsewhere")
+    p.add_argument("--skip-moe", action="store_true")
+    p.add_argument("--skip-dense", action="store_true")
+    args = p.parse_args(argv)
+    if args.impl is None:
+        args.impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    bw = copy_bandwidth(args.repeats)
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}, "
+          f"copy bandwidth {bw / 1e9:.0f} GB/s, impl {args.impl}; %copyBW is the Pallas kernel's (or ref's)")
+    print(HEADER)
+    rows: list[dict] = []
+    if not args.skip_dense:
+        dense_cases(args, bw, rows)
+    if not args.skip_moe:
+        moe_cases(args, bw, rows)
+    bad = [r for r in rows if r.get("err", 0) > 2e-2]
+    if bad:
+        print(f"CHECK FAILED for {len(bad)} cases: " + ", ".join(f"{r['case']} M={r['m']}" for r in bad))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
