@@ -1,0 +1,529 @@
+"""Pallas (Triton backend) routed-expert MoE with packed weights: the GPU twin of :func:`.moe_reference.moe_experts`.
+
+Same contract as the reference: ``moe_experts_pallas(x, idx, weights, gate_up, down) → [N, H] float32``.
+
+Pipeline (vLLM ``fused_moe`` / ``moe_align_block_size`` style; KERNELS.md §7.3, §10.4):
+
+1. *Align* (plain JAX): the ``S = N·k`` token-slots are grouped by expert (stable: slot order kept inside an
+   expert) and each expert's run is padded to a multiple of the M-block ``bm``, so every M-block of the padded row
+   space belongs to exactly one expert and empty experts own no block.  Arrays: ``blk_expert [B]`` (expert of each
+   M-block, −1 for blocks past the used rows: those programs return at once), ``row_slot [R]`` (token-slot
+   ``n·k + j`` of each padded row, ``S`` on padding rows, which the kernels mask to zero) and ``slot_row [N, k]``
+   (padded row of each slot).  ``B = ⌊(S + min(E, S)·(bm − 1)) / bm⌋`` is a static bound on the M-blocks,
+   ``R = B·bm``.  Up to 1024 slots the alignment is compares + reductions only (no sort, no scatter: 7 small XLA
+   kernels at decode, which is launch-bound); beyond, a stable argsort + bincount + two scatters.
+2. *gate_up kernel*, grid ``(B, ⌈I/bn⌉)``: program (b, j) gathers the ``bm`` token rows of block b, streams K = H in
+   ``bk`` chunks (token = slot // k), dequantizes the gate rows ``j·bn + [0, bn)`` and the up rows
+   ``I + j·bn + [0, bn)`` of the block's expert in registers and accumulates both dots in fp32; epilogue
+   ``silu(gate)·up`` rounded op by op to x.dtype exactly as the reference's elementwise chain → ``act [R, I]``.
+3. *down kernel*, grid ``(B, ⌈H/bn⌉)``: ``act`` rows of block b × dequantized down rows, K = I; epilogue multiplies
+   by the row's routing weight (``weights.flat[slot]``) → ``y [R, H]`` fp32.
+4. *Combine* (plain JAX): ``out[n] = Σ_k y[slot_row[n, k]]`` (a gather + sum: deterministic, no atomics, padding
+   rows never read).
+
+Dequantization happens in registers right before each dot and rounds exactly like :func:`.reference.dequantize`:
+fp32 ``(q − zp)·scale`` → ``meta.scale_dtype`` (bf16 for MXFP8) → x.dtype.  Ints are unpacked from int32 words with
+logical shifts and masks (LSB first); MXFP8 scales (E8M0 bytes) become ``2^(s−127)`` by bit-casting ``s << 23``
+(s = 255 → +inf as ``ldexp`` gives; s = 0 → the subnormal 2^−127, bits ``0x00400000``).
+
+All in-kernel indexing is gather-style (integer index arrays built from iota, never ``pl.ds``): the Triton lowering
+turns them into the same pointer arithmetic as slices (make_range + splat: contiguity along the last dim stays
+visible to Triton's axis analysis), while interpret mode — which cannot mix array and slice indexers — turns them
+into clamped gathers whose out-of-range positions the masks (with ``other=``) replace.  All tensors inside the
+kernels have power-of-two shapes; odd H / I / group sizes are handled by masks.
+
+Gradients: ``jax.custom_vjp`` with the backward through the plain-JAX reference (cotangents for ``x`` and the
+routing ``weights``; none for ids or packed weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from . import moe_reference
+from .reference import QuantMeta
+
+__all__ = ["MoEConfig", "lowering_cases", "moe_config", "moe_experts_pallas"]
+
+_E8M0_ZERO_BITS = 0x00400000  # fp32 bits of 2^-127 (subnormal): E8M0 code 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Static configuration
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Tile sizes of one call (all powers of two)."""
+
+    bm: int  # rows (token-slots) per M-block; every M-block belongs to one expert
+    gu_bn: int  # gate_up: output columns per program (of gate and of up each)
+    gu_bk: int  # gate_up: K (= H) chunk
+    dn_bn: int  # down: output columns (of H) per program
+    dn_bk: int  # down: K (= I) chunk
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _bk_for(k: int, meta: QuantMeta, want: int) -> int:
+    """K chunk: a power of two ≥ 16 (tl.dot) and ≥ the values per int32 word, ≤ ``want`` unless K is smaller."""
+    floor = max(16, meta.pack_factor if meta.fmt == "int" else 1)
+    return max(floor, min(want, _next_pow2(k)))
+
+
+def moe_config(num_slots: int, num_experts: int, hidden: int, inter: int, gu_meta: QuantMeta,
+               dn_meta: QuantMeta) -> MoEConfig:
+    """Tiles for ``num_slots = N·k`` token-slots.
+
+    ``bm`` follows the mean rows per expert (×2 for the binomial spread): 16 at decode (``tl.dot`` needs M ≥ 16),
+    32 for a 512-token prefill of the 256-expert model, 64 for long prefills.  Decode uses narrower gate_up tiles
+    so that a single token's 8 experts still spread over ~128 programs.
+    """
+    bm = min(64, max(16, _next_pow2(-(-2 * num_slots // num_experts))))
+    decode = bm == 16
+    gu_bn = max(16, min(32 if decode else 64, _next_pow2(inter)))
+    dn_bn = max(16, min(64, _next_pow2(hidden)))
+    return MoEConfig(bm=bm, gu_bn=gu_bn, gu_bk=_bk_for(hidden, gu_meta, 128), dn_bn=dn_bn,
+                     dn_bk=_bk_for(inter, dn_meta, 128), num_warps=8 if bm >= 64 else 4, num_stages=2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# In-kernel dequantization
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _and(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return jnp.logical_and(a, b)
+
+
+def _full_mask(mask, shape):
+    return None if mask is None else jnp.broadcast_to(mask, shape)
+
+
+def _group_values(ref, e, rows, row_mask, kk, *, meta: QuantMeta, bk: int, convert: Callable):
+    """Per-(row, group) values (scales or zero points) of K chunk ``kk``, broadcastable against ``[bn, bk]``.
+
+    ``ref`` is ``[E, N or 1, G]``; ``convert`` maps the loaded raw values (``[bn, ·]``) to fp32 before expansion.
+    """
+    bn = rows.shape[0]
+    n_groups = ref.shape[2]
+    gs = meta.group_size
+    srows = rows if ref.shape[1] > 1 else jnp.zeros_like(rows)
+    srow_mask = row_mask if ref.shape[1] > 1 else None
+    if n_groups == 1 or gs % bk == 0:  # the chunk lies inside one group: one value per row
+        g = jnp.zeros((), jnp.int32) if n_groups == 1 else lax.div(kk, jnp.int32(gs // bk))
+        mask = _full_mask(None if srow_mask is None else srow_mask[:, None], (bn, 1))
+        v = plgpu.load(ref.at[e, srows[:, None], g], mask=mask, other=None if mask is None else 0)
+        return convert(v)  # [bn, 1]
+    if bk % gs == 0 and gs & (gs - 1) == 0:  # whole power-of-two groups per chunk
+        ng = bk // gs
+        gcols = kk * ng + lax.iota(jnp.int32, ng)
+        gmask = None if n_groups % ng == 0 else gcols < n_groups
+        mask = _full_mask(_and(None if srow_mask is None else srow_mask[:, None],
+                               None if gmask is None else gmask[None, :]), (bn, ng))
+        v = convert(plgpu.load(ref.at[e, srows[:, None], gcols[None, :]], mask=mask,
+                               other=None if mask is None else 0))  # [bn, ng]
+        return jnp.broadcast_to(v[:, :, None], (bn, ng, gs)).reshape(bn, bk)
+    # generic (odd group sizes): one gathered value per column
+    cols = kk * bk + lax.iota(jnp.int32, bk)
+    gcols = lax.div(cols, jnp.int32(gs))
+    mask = _full_mask(_and(None if srow_mask is None else srow_mask[:, None], (gcols < n_groups)[None, :]), (bn, bk))
+    return convert(plgpu.load(ref.at[e, srows[:, None], gcols[None, :]], mask=mask, other=0))
+
+
+def _e8m0_to_f32(s):
+    """E8M0 bytes → fp32 ``2^(s − 127)`` (bit-exact with ``ldexp``: 0 → 2^−127 subnormal, 255 → +inf)."""
+    b = s.astype(jnp.int32)
+    bits = jnp.where(b == 0, jnp.int32(_E8M0_ZERO_BITS), lax.shift_left(b, jnp.int32(23)))
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _dequant_tile(packed_ref, scale_ref, zero_ref, e, rows, row_mask, kk, *, meta: QuantMeta, bk: int, dtype):
+    """Rows ``rows`` (``[bn]`` int32, of the out dim) × K chunk ``kk`` of expert ``e`` → ``[bn, bk]`` ``dtype``."""
+    bn = rows.shape[0]
+    k = meta.in_features
+    cols = kk * bk + lax.iota(jnp.int32, bk)
+    col_mask = None if k % bk == 0 else cols < k
+    if meta.fmt == "int":
+        bits, pack = meta.bits, meta.pack_factor
+        bkw = bk // pack
+        n_words = packed_ref.shape[2]
+        wcols = kk * bkw + lax.iota(jnp.int32, bkw)
+        wmask = _full_mask(_and(None if row_mask is None else row_mask[:, None],
+                                None if n_words % bkw == 0 else (wcols < n_words)[None, :]), (bn, bkw))
+        words = plgpu.load(packed_ref.at[e, rows[:, None], wcols[None, :]], mask=wmask,
+                           other=None if wmask is None else 0)  # [bn, bkw] int32
+        shifts = lax.broadcasted_iota(jnp.int32, (bn, bkw, pack), 2) * bits
+        fields = lax.shift_right_logical(jnp.broadcast_to(words[:, :, None], (bn, bkw, pack)), shifts)
+        q = (fields & ((1 << bits) - 1)).reshape(bn, bk) - (1 << (bits - 1))
+        w = q.astype(jnp.float32)
+        if zero_ref is not None:
+            w = w - _group_values(zero_ref, e, rows, row_mask, kk, meta=meta, bk=bk,
+                                  convert=lambda z: z.astype(jnp.float32))
+        w = w * _group_values(scale_ref, e, rows, row_mask, kk, meta=meta, bk=bk,
+                              convert=lambda s: s.astype(jnp.float32))
+        w = w.astype(jnp.dtype(meta.scale_dtype)).astype(dtype)
+    else:  # mxfp8: E4M3 values, E8M0 scale per 32 columns
+        mask = _full_mask(_and(None if row_mask is None else row_mask[:, None],
+                               None if col_mask is None else col_mask[None, :]), (bn, bk))
+        v = plgpu.load(packed_ref.at[e, rows[:, None], cols[None, :]], mask=mask).astype(jnp.float32)
+        if mask is not None:  # no `other=` for fp8 loads (Triton lowering cannot cast an int constant to f8)
+            v = jnp.where(mask, v, 0.0)
+        s = _group_values(scale_ref, e, rows, row_mask, kk, meta=meta, bk=bk, convert=_e8m0_to_f32)
+        w = (v * s).astype(jnp.bfloat16).astype(dtype)
+    if col_mask is not None:  # columns past K: exact zeros whatever the padding bits / scales hold
+        w = jnp.where(col_mask[None, :], w, jnp.zeros((), dtype))
+    return w
+
+
+def _silu_mul(acc_g, acc_u, dtype):
+    """``silu(gate) · up`` rounded like the reference's x.dtype elementwise chain.
+
+    The reference computes ``jax.nn.silu(g) * u`` on x.dtype arrays, i.e. ``g · (1 / (1 + exp(−g))) · u`` with every
+    op's result rounded to x.dtype (what XLA emits for bf16).  Triton has no bf16 division, so each op runs in fp32
+    followed by an explicit rounding to x.dtype (no-ops for fp32).
+    """
+    def rnd(v):
+        return v.astype(dtype).astype(jnp.float32)
+
+    g = rnd(acc_g)
+    u = rnd(acc_u)
+    sig = rnd(1.0 / rnd(rnd(jnp.exp(rnd(-g))) + 1.0))
+    return (rnd(g * sig) * u).astype(dtype)
+
+
+def _dot_nt(a, w):
+    """``a [m, k] · w [n, k]ᵀ`` → fp32 ``[m, n]`` (IEEE fp32 when a is fp32: Triton's default would be TF32)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, w, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _gate_up_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig, inter: int, top_k: int):
+    if has_zero:
+        blk_expert_ref, row_slot_ref, x_ref, packed_ref, scale_ref, zero_ref, act_ref = refs
+    else:
+        blk_expert_ref, row_slot_ref, x_ref, packed_ref, scale_ref, act_ref = refs
+        zero_ref = None
+    num_slots = x_ref.shape[0] * top_k
+    bm, bn, bk = cfg.bm, cfg.gu_bn, cfg.gu_bk
+    hidden = x_ref.shape[1]
+    dtype = x_ref.dtype
+    b = pl.program_id(0)
+    j = pl.program_id(1)
+    e = blk_expert_ref[b]
+
+    @pl.when(e >= 0)
+    def _():
+        rows = b * bm + lax.iota(jnp.int32, bm)
+        slot = plgpu.load(row_slot_ref.at[rows])  # [bm]; num_slots on padding rows
+        valid = (slot < num_slots)[:, None]
+        tok = lax.div(slot, jnp.int32(top_k))
+        ncols = j * bn + lax.iota(jnp.int32, bn)
+        nmask = None if inter % bn == 0 else ncols < inter
+
+        def body(kk, carry):
+            acc_g, acc_u = carry
+            cols = kk * bk + lax.iota(jnp.int32, bk)
+            xmask = jnp.broadcast_to(valid if hidden % bk == 0 else valid & (cols < hidden)[None, :], (bm, bk))
+            xt = plgpu.load(x_ref.at[tok[:, None], cols[None, :]], mask=xmask, other=0)  # padding rows: 0
+            deq = functools.partial(_dequant_tile, packed_ref, scale_ref, zero_ref, e, row_mask=nmask, kk=kk,
+                                    meta=meta, bk=bk, dtype=dtype)
+            acc_g = acc_g + _dot_nt(xt, deq(rows=ncols))
+            acc_u = acc_u + _dot_nt(xt, deq(rows=ncols + inter))
+            return acc_g, acc_u
+
+        zeros = jnp.zeros((bm, bn), jnp.float32)
+        acc_g, acc_u = lax.fori_loop(0, pl.cdiv(hidden, bk), body, (zeros, zeros))
+        act = _silu_mul(acc_g, acc_u, dtype)
+        smask = None if nmask is None else jnp.broadcast_to(nmask[None, :], (bm, bn))
+        plgpu.store(act_ref.at[rows[:, None], ncols[None, :]], act, mask=smask)
+
+
+def _down_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig):
+    if has_zero:
+        blk_expert_ref, row_slot_ref, weights_ref, act_ref, packed_ref, scale_ref, zero_ref, y_ref = refs
+    else:
+        blk_expert_ref, row_slot_ref, weights_ref, act_ref, packed_ref, scale_ref, y_ref = refs
+        zero_ref = None
+    num_slots = weights_ref.shape[0]
+    bm, bn, bk = cfg.bm, cfg.dn_bn, cfg.dn_bk
+    inter = act_ref.shape[1]
+    hidden = y_ref.shape[1]
+    b = pl.program_id(0)
+    j = pl.program_id(1)
+    e = blk_expert_ref[b]
+
+    @pl.when(e >= 0)
+    def _():
+        rows = b * bm + lax.iota(jnp.int32, bm)
+        hcols = j * bn + lax.iota(jnp.int32, bn)
+        hmask = None if hidden % bn == 0 else hcols < hidden
+
+        def body(kk, acc):
+            cols = kk * bk + lax.iota(jnp.int32, bk)
+            amask = None if inter % bk == 0 else jnp.broadcast_to((cols < inter)[None, :], (bm, bk))
+            a = plgpu.load(act_ref.at[rows[:, None], cols[None, :]], mask=amask,
+                           other=None if amask is None else 0)
+            w = _dequant_tile(packed_ref, scale_ref, zero_ref, e, hcols, hmask, kk, meta=meta, bk=bk,
+                              dtype=act_ref.dtype)
+            return acc + _dot_nt(a, w)
+
+        acc = lax.fori_loop(0, pl.cdiv(inter, bk), body, jnp.zeros((bm, bn), jnp.float32))
+        slot = plgpu.load(row_slot_ref.at[rows])
+        rw = plgpu.load(weights_ref.at[slot], mask=slot < num_slots, other=0).astype(jnp.float32)  # 0 on padding
+        smask = None if hmask is None else jnp.broadcast_to(hmask[None, :], (bm, bn))
+        plgpu.store(y_ref.at[rows[:, None], hcols[None, :]], acc * rw[:, None], mask=smask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Routing alignment and the forward pass
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
+    """Static bound on Σ_e ⌈count_e / bm⌉ (at most min(E, S) experts are non-empty)."""
+    return (num_slots + min(num_experts, num_slots) * (bm - 1)) // bm
+
+
+_DENSE_ALIGN_MAX_SLOTS = 1024  # up to here the compare-based alignment (no sort, no scatter) is used
+
+
+def _align(idx, num_experts: int, bm: int, *, dense: bool | None = None):
+    """Sort token-slots by expert and pad each expert's run to a multiple of ``bm`` (``moe_align_block_size``).
+
+    Returns ``blk_expert [B]`` (−1 past the used blocks), ``row_slot [R]`` (slot of each padded row, ``S`` on
+    padding) and ``slot_row [N, k]`` (padded row of each slot); within an expert the slots keep their order.
+
+    Two formulations with identical results: *dense* (``S ≤ 1024``, decode and short prefills) builds everything
+    from compares and reductions over ``[S, S]`` / ``[R, S]`` / ``[B, E]`` — no sort, no scatter, so XLA fuses it
+    into a handful of small kernels (decode is launch-bound); *sorted* (long prefills) uses a stable argsort and
+    two scatters, O(S log S).
+    """
+    n, k = idx.shape
+    s = n * k
+    nb = _num_blocks(s, num_experts, bm)
+    r = nb * bm
+    flat = idx.reshape(-1).astype(jnp.int32)
+    slots = jnp.arange(s, dtype=jnp.int32)
+    if dense is None:
+        dense = s <= _DENSE_ALIGN_MAX_SLOTS
+    if dense:
+        counts = jnp.sum(flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :], axis=0,
+                         dtype=jnp.int32)
+    else:
+        counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    padded = (counts + (bm - 1)) // bm * bm
+    if dense:  # inclusive prefix sum as a masked reduction (a reduce fusion instead of XLA's reduce-window)
+        experts = jnp.arange(num_experts, dtype=jnp.int32)
+        pad_end = jnp.sum(jnp.where(experts[None, :] <= experts[:, None], padded[None, :], 0), axis=1,
+                          dtype=jnp.int32)
+    else:
+        pad_end = jnp.cumsum(padded)
+    pad_start = pad_end - padded
+    if dense:
+        same_before = (flat[:, None] == flat[None, :]) & (slots[None, :] < slots[:, None])
+        rank = jnp.sum(same_before, axis=1, dtype=jnp.int32)  # earlier slots of the same expert
+        slot_row = pad_start[flat] + rank
+        hit = slot_row[None, :] == jnp.arange(r, dtype=jnp.int32)[:, None]  # [R, S], ≤ one hit per row
+        row_slot = jnp.sum(jnp.where(hit, slots[None, :] - s, 0), axis=1, dtype=jnp.int32) + s
+    else:
+        cnt_start = jnp.cumsum(counts) - counts
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        e_sorted = flat[order]
+        dest = pad_start[e_sorted] + slots - cnt_start[e_sorted]  # padded row of the i-th sorted slot
+        slot_row = jnp.zeros((s,), jnp.int32).at[order].set(dest, unique_indices=True)
+        row_slot = jnp.full((r,), s, jnp.int32).at[dest].set(order, unique_indices=True)
+    blk_start = jnp.arange(nb, dtype=jnp.int32) * bm
+    blk_expert = jnp.sum(pad_end[None, :] <= blk_start[:, None], axis=1, dtype=jnp.int32)  # searchsorted, right
+    blk_expert = jnp.where(blk_expert < num_experts, blk_expert, -1)  # blocks past the last used one
+    return blk_expert, row_slot, slot_row.reshape(n, k)
+
+
+def _compiler_params(cfg: MoEConfig):
+    # explicit Triton params: with None, jax 0.10 picks Mosaic GPU and 0.11+ Triton (KERNELS.md §3); jax ≥ 0.11
+    # emits a DeprecationWarning (id jax-pallas-triton) for Triton pallas_calls — callers / tests filter it
+    return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _check(x, idx, weights, gate_up, down):
+    gu_meta, dn_meta = gate_up[3], down[3]
+    n, h = x.shape
+    e = gate_up[0].shape[0]
+    inter = gu_meta.out_features // 2
+    if gu_meta.in_features != h or dn_meta.out_features != h or dn_meta.in_features != inter:
+        raise ValueError(f"MoE shapes disagree: x {x.shape}, gate_up meta {gu_meta}, down meta {dn_meta}")
+    if idx.shape != weights.shape or idx.shape[0] != n:
+        raise ValueError(f"idx {idx.shape} / weights {weights.shape} must both be [N={n}, k]")
+    for name, (packed, scale, zero, meta) in (("gate_up", gate_up), ("down", down)):
+        if packed.shape[:2] != (e, meta.out_features):
+            raise ValueError(f"{name}: packed {packed.shape} is not [E={e}, {meta.out_features}, ·]")
+        if meta.fmt == "mxfp8" and zero is not None:
+            raise ValueError(f"{name}: MXFP8 has no zero points")
+        if meta.fmt == "int" and meta.bits not in (2, 4, 8):
+            raise ValueError(f"{name}: unsupported bit width {meta.bits}")
+        if scale.ndim != 3 or (zero is not None and zero.ndim != 3):
+            raise ValueError(f"{name}: scale / zero must be [E, N or 1, G]")
+
+
+def _forward(gu_meta: QuantMeta, dn_meta: QuantMeta, interpret: bool, config: MoEConfig | None, x, idx, weights,
+             gu_arrays, dn_arrays):
+    n, hidden = x.shape
+    k = idx.shape[1]
+    num_experts = gu_arrays[0].shape[0]
+    inter = gu_meta.out_features // 2
+    cfg = config or moe_config(n * k, num_experts, hidden, inter, gu_meta, dn_meta)
+    blk_expert, row_slot, slot_row = _align(idx, num_experts, cfg.bm)
+    nb = blk_expert.shape[0]
+    rows = nb * cfg.bm
+    gu_in = tuple(a for a in gu_arrays if a is not None)
+    dn_in = tuple(a for a in dn_arrays if a is not None)
+
+    act = pl.pallas_call(
+        functools.partial(_gate_up_kernel, meta=gu_meta, has_zero=gu_arrays[2] is not None, cfg=cfg, inter=inter,
+                          top_k=k),
+        out_shape=jax.ShapeDtypeStruct((rows, inter), x.dtype),
+        grid=(nb, pl.cdiv(inter, cfg.gu_bn)),
+        compiler_params=_compiler_params(cfg),
+        interpret=interpret,
+        name="qjax_moe_gate_up",
+    )(blk_expert, row_slot, x, *gu_in)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, meta=dn_meta, has_zero=dn_arrays[2] is not None, cfg=cfg),
+        out_shape=jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
+        grid=(nb, pl.cdiv(hidden, cfg.dn_bn)),
+        compiler_params=_compiler_params(cfg),
+        interpret=interpret,
+        name="qjax_moe_down",
+    )(blk_expert, row_slot, weights.reshape(-1), act, *dn_in)
+    return y[slot_row].sum(axis=1)  # [N, k, H] → [N, H]; weights already applied in the down epilogue
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _moe(gu_meta, dn_meta, interpret, config, x, idx, weights, gu_arrays, dn_arrays):
+    return _forward(gu_meta, dn_meta, interpret, config, x, idx, weights, gu_arrays, dn_arrays)
+
+
+def _moe_fwd(gu_meta, dn_meta, interpret, config, x, idx, weights, gu_arrays, dn_arrays):
+    out = _forward(gu_meta, dn_meta, interpret, config, x, idx, weights, gu_arrays, dn_arrays)
+    return out, (x, idx, weights, gu_arrays, dn_arrays)
+
+
+def _moe_bwd(gu_meta, dn_meta, interpret, config, res, g):
+    del interpret, config
+    x, idx, weights, gu_arrays, dn_arrays = res
+
+    def ref(x_, w_):
+        return moe_reference.moe_experts(x_, idx, w_, (*gu_arrays, gu_meta), (*dn_arrays, dn_meta))
+
+    _, vjp = jax.vjp(ref, x, weights)
+    dx, dw = vjp(g)
+    none = functools.partial(jax.tree.map, lambda _: None)
+    return dx, None, dw, none(gu_arrays), none(dn_arrays)
+
+
+_moe.defvjp(_moe_fwd, _moe_bwd)
+
+
+def moe_experts_pallas(x, idx, weights, gate_up: tuple, down: tuple, *, interpret: bool = False,
+                       config: MoEConfig | None = None) -> jax.Array:
+    """Routed SwiGLU experts with packed weights: ``Σ_k w_k · down_e(silu(gate_e x) · up_e x)`` → ``[N, H]`` fp32.
+
+    Args:
+      x: ``[N, H]`` activations (bf16 / fp16 / fp32).
+      idx, weights: ``[N, k]`` expert ids (int32, in ``[0, E)``) and routing weights.
+      gate_up: ``(packed, scale, zero, meta)`` of the stacked ``[E, 2I, H]`` weight (rows ``:I`` gate, ``I:`` up).
+      down: the same for ``[E, H, I]``.
+      interpret: run the Pallas kernels in interpret mode (CPU).
+      config: tile override (default :func:`moe_config`'s heuristic), e.g. ``num_stages=1`` if a Triton build
+        trips over pipelining the bit-unpacking loop (triton-lang/triton#4906).
+    Differentiable w.r.t. ``x`` and ``weights`` (backward through :func:`.moe_reference.moe_experts`).
+    """
+    _check(x, idx, weights, gate_up, down)
+    gu_arrays = tuple(gate_up[:3])
+    dn_arrays = tuple(down[:3])
+    if config is not None:
+        tiles = dataclasses.astuple(config)[:5]
+        if any(t < 16 or t & (t - 1) for t in tiles):
+            raise ValueError(f"MoE tiles must be powers of two ≥ 16: {config}")
+    return _moe(gate_up[3], down[3], bool(interpret), config, x, idx.astype(jnp.int32), weights, gu_arrays,
+                dn_arrays)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU lowering cases (the real Qwen3.6-35B-A3B MoE layer)
+# ----------------------------------------------------------------------------------------------------------------
+
+QWEN36_HIDDEN = 2048
+QWEN36_INTER = 512
+QWEN36_EXPERTS = 256
+QWEN36_TOP_K = 8
+
+_SCHEMES = {  # name: (fmt, bits, group, symmetric, scale dtype) as the real checkpoints store them (FORMATS.md §9)
+    "int2_g64": ("int", 2, 64, True, "float16"),
+    "int4_g128": ("int", 4, 128, False, "bfloat16"),  # asymmetric: exercises the zero-point path
+    "int8_g32": ("int", 8, 32, True, "bfloat16"),
+    "mxfp8": ("mxfp8", 8, 32, True, "uint8"),
+}
+
+
+def _weight_specs(meta: QuantMeta, num_experts: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    e, n = num_experts, meta.out_features
+    if meta.fmt == "mxfp8":
+        return (jax.ShapeDtypeStruct((e, n, meta.in_features), jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((e, n, meta.num_groups), jnp.uint8))
+    specs = (jax.ShapeDtypeStruct((e, n, meta.packed_cols), jnp.int32),
+             jax.ShapeDtypeStruct((e, *meta.scale_shape), jnp.dtype(meta.scale_dtype)))
+    if not meta.symmetric:
+        specs += (jax.ShapeDtypeStruct((e, *meta.scale_shape), jnp.int8),)
+    return specs
+
+
+def lowering_cases() -> list[tuple[str, Callable, tuple[jax.ShapeDtypeStruct, ...]]]:
+    """``(name, fn, arg_specs)`` for the Qwen3.6-35B-A3B MoE layer (H 2048, I 512, E 256, top-8, bf16) ×
+    {int2 g64, int4 g128 asym, int8 g32, mxfp8} × {decode N = 1, 8; prefill N = 512}.
+
+    ``fn(x, idx, weights, *gate_up_arrays, *down_arrays)`` calls :func:`moe_experts_pallas` (``interpret=False``)
+    with the metas closed over; ``gate_up_arrays`` is ``(packed, scale[, zero])``.
+    """
+    h, i, e, k = QWEN36_HIDDEN, QWEN36_INTER, QWEN36_EXPERTS, QWEN36_TOP_K
+    cases = []
+    for scheme, (fmt, bits, group, sym, sdt) in _SCHEMES.items():
+        gu_meta = QuantMeta(fmt, bits, group, h, 2 * i, sym, "group", sdt)
+        dn_meta = QuantMeta(fmt, bits, group, i, h, sym, "group", sdt)
+        gu_specs, dn_specs = _weight_specs(gu_meta, e), _weight_specs(dn_meta, e)
+        n_gu = len(gu_specs)
+
+        def fn(x, idx, weights, *arrays, _gm=gu_meta, _dm=dn_meta, _ng=n_gu):
+            gu, dn = arrays[:_ng], arrays[_ng:]
+            gu = (*gu, None) if len(gu) == 2 else gu
+            dn = (*dn, None) if len(dn) == 2 else dn
+            return moe_experts_pallas(x, idx, weights, (*gu, _gm), (*dn, _dm), interpret=False)
+
+        for label, n in (("decode1", 1), ("decode8", 8), ("prefill512", 512)):
+            specs = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int32),
+                     jax.ShapeDtypeStruct((n, k), jnp.bfloat16), *gu_specs, *dn_specs)
+            cases.append((f"moe_{scheme}_{label}", fn, specs))
+    return cases

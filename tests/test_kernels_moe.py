@@ -1,0 +1,341 @@
+"""Pallas MoE kernel (kernels/moe_pallas.py) against the plain-JAX oracle (kernels/moe_reference.py).
+
+Numerics run the Pallas kernels in interpret mode on CPU under ``jax.jit``, jitted together with the reference
+(compiled once per shape, with XLA's backend optimization level 0: half the compile time); GPU lowering is checked
+at "Level A" (KERNELS.md §6): ``.lower(lowering_platforms=("cuda",))`` under an abstract H200 mesh, no GPU needed.
+
+Tolerances (max |out − ref| / max |ref|):
+- fp32 x: 1e-5.  Both sides dequantize bit-identically (fp32 → scale dtype → x dtype) and accumulate in fp32 (IEEE,
+  also on GPU: the kernel asks for HIGHEST so Triton does not pick TF32); only the summation order differs (K chunks,
+  per-slot combine).  Measured 1.9e-7 … 5e-7, 1.4e-6 at most (mxfp8, N 3).
+- bf16 x: 4e-3 (≈ one bf16 ulp of max |ref|).  The kernel rounds gate / up / every silu op / the product to bf16
+  exactly where the reference does (measured 8e-8 … 2e-7 for most cases), but an fp32 sum that lands next to a
+  bf16 rounding boundary can flip one ulp (2^-8 relative) of a gate / up / act element depending on the summation
+  order (measured up to 7.7e-5: int4 g128); the bound leaves room for several flips and for a GPU's exp / division
+  differing from XLA CPU's by an ulp, while any real dequant / routing bug is O(1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qjax.kernels import moe_pallas
+from qjax.kernels.moe_pallas import MoEConfig, _align, _e8m0_to_f32, lowering_cases, moe_config, moe_experts_pallas
+from qjax.kernels.moe_reference import moe_experts
+from qjax.kernels.reference import QuantMeta
+from qjax.quant.packing import e8m0_to_float32
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated:DeprecationWarning")
+
+F32_TOL = 1e-5
+BF16_TOL = 4e-3
+_XLA_OPTS = {"xla_backend_optimization_level": 0}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Random packed experts and routing
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    fmt: str
+    bits: int
+    gu_group: int  # group size along H (gate_up)
+    dn_group: int  # group size along I (down)
+    symmetric: bool
+    strategy: str
+    scale_dtype: str
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+
+    def metas(self) -> tuple[QuantMeta, QuantMeta]:
+        gs = {"group": (self.gu_group, self.dn_group)}.get(self.strategy, (self.hidden, self.inter))
+        gm = QuantMeta(self.fmt, self.bits, gs[0], self.hidden, 2 * self.inter, self.symmetric, self.strategy,
+                       self.scale_dtype)
+        dm = QuantMeta(self.fmt, self.bits, gs[1], self.inter, self.hidden, self.symmetric, self.strategy,
+                       self.scale_dtype)
+        return gm, dm
+
+
+CASES = {
+    # power-of-two shapes with the real checkpoints' group sizes (the chunk / multi-group paths GPUs take)
+    "int2_g64": Case("int", 2, 64, 64, True, "group", "float16", 256, 128, 8, 2),
+    "int4_g128_asym": Case("int", 4, 128, 128, False, "group", "bfloat16", 256, 128, 8, 2),
+    "int8_g32": Case("int", 8, 32, 32, True, "group", "bfloat16", 256, 128, 8, 2),
+    "mxfp8": Case("mxfp8", 8, 32, 32, True, "group", "uint8", 256, 128, 8, 2),
+    # odd shapes: nothing is a multiple of a tile; masks, partial groups, non-power-of-two groups (generic path)
+    "odd_int2_g64_g20": Case("int", 2, 64, 20, True, "group", "float16", 192, 40, 6, 2),
+    "odd_int4_asym_g32_g8": Case("int", 4, 32, 8, False, "group", "bfloat16", 96, 40, 6, 3),
+    "odd_int8_channel": Case("int", 8, 0, 0, True, "channel", "float32", 96, 40, 6, 3),
+    "odd_int4_tensor_asym": Case("int", 4, 0, 0, False, "tensor", "bfloat16", 96, 40, 6, 2),
+    "odd_mxfp8": Case("mxfp8", 8, 32, 32, True, "group", "uint8", 160, 96, 6, 2),
+}
+
+
+def _weights(meta: QuantMeta, num_experts: int, rng: np.random.Generator):
+    """Random (packed, scale, zero) of ``[E, out, in]``: every bit of every word random, no zero scales."""
+    n, k = meta.out_features, meta.in_features
+    if meta.fmt == "mxfp8":
+        v = rng.standard_normal((num_experts, n, k)).astype(ml_dtypes.float8_e4m3fn)  # finite codes only
+        target = 127 - int(np.round(np.log2(np.sqrt(k))))
+        s = rng.integers(target - 2, target + 3, (num_experts, n, k // 32)).astype(np.uint8)
+        s[rng.random(s.shape) < 0.03] = 0  # E8M0 code 0 = 2^-127 (fp32 subnormal)
+        return jnp.asarray(v), jnp.asarray(s), None
+    packed = rng.integers(-(2**31), 2**31, (num_experts, n, meta.packed_cols), dtype=np.int64).astype(np.int32)
+    shape = (num_experts, *meta.scale_shape)
+    base = 1.0 / (np.sqrt(k) * 2 ** (meta.bits - 1))
+    scale = (base * rng.uniform(0.5, 1.5, shape)).astype(jnp.dtype(meta.scale_dtype))
+    zero = None
+    if not meta.symmetric:
+        half = 2 ** (meta.bits - 1)
+        zero = jnp.asarray(rng.integers(-half, half, shape).astype(np.int8))
+    return jnp.asarray(packed), jnp.asarray(scale), zero
+
+
+def _routing(n: int, case: Case, mode: str, dtype, rng: np.random.Generator):
+    """``idx [n, k]`` int32 and softmax routing ``weights [n, k]``."""
+    e, k = case.experts, case.top_k
+    logits = rng.standard_normal((n, e))
+    if mode == "topk":  # distinct experts per token, as a router picks them
+        idx = np.argsort(-logits, axis=1)[:, :k]
+    elif mode == "dup":  # with replacement: a token may hit one expert twice
+        idx = rng.integers(0, e, (n, k))
+    elif mode == "empty":  # only experts 1 and e−2: the others get no token
+        idx = np.where(rng.random((n, k)) < 0.5, 1, e - 2)
+    elif mode == "one_in_all":  # expert 2 is in every token's top-k (spans several M-blocks)
+        idx = np.argsort(-logits, axis=1)[:, :k]
+        has = (idx == 2).any(axis=1)
+        idx[~has, 0] = 2
+    elif mode == "all_one":  # every slot routes to expert 2; all other experts empty
+        idx = np.full((n, k), 2)
+    else:
+        raise ValueError(mode)
+    idx = idx.astype(np.int32)
+    w = jax.nn.softmax(jnp.asarray(np.take_along_axis(logits, idx, axis=1), jnp.float32), axis=-1)
+    return jnp.asarray(idx), w.astype(dtype)
+
+
+def _data(case: Case, n: int, dtype, *, mode: str = "topk", seed: int = 0):
+    rng = np.random.default_rng(seed)
+    gm, dm = case.metas()
+    gu = _weights(gm, case.experts, rng)
+    dn = _weights(dm, case.experts, rng)
+    x = jnp.asarray(rng.standard_normal((n, case.hidden)), dtype)
+    idx, w = _routing(n, case, mode, dtype, rng)
+    return x, idx, w, gu, dn
+
+
+_COMPILED: dict = {}
+
+
+def _run(case: Case, x, idx, w, gu, dn, config=None):
+    """(Pallas interpret, reference) outputs from one jitted function, compiled once per (case, shapes): one XLA
+    compile for both is ~20 % cheaper than two."""
+    gm, dm = case.metas()
+    args = (x, idx, w, gu, dn)
+    key = (case, config, jax.tree.map(lambda a: (a.shape, a.dtype), args))
+    if key not in _COMPILED:
+        def f(x, idx, w, gu, dn):
+            return (moe_experts_pallas(x, idx, w, (*gu, gm), (*dn, dm), interpret=True, config=config),
+                    moe_experts(x, idx, w, (*gu, gm), (*dn, dm)))
+        _COMPILED[key] = jax.jit(f).lower(*args).compile(compiler_options=_XLA_OPTS)
+    return _COMPILED[key](*args)
+
+
+def _rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out)), "non-finite kernel output"
+    return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def _check(case: Case, n: int, dtype, tol: float, *, mode: str = "topk", seed: int = 0, config=None) -> float:
+    x, idx, w, gu, dn = _data(case, n, dtype, mode=mode, seed=seed)
+    out, ref = _run(case, x, idx, w, gu, dn, config)
+    assert out.shape == (n, case.hidden) and out.dtype == jnp.float32
+    err = _rel_err(out, ref)
+    assert err <= tol, f"relative error {err:.3g} > {tol:g}"
+    return err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Numerics (interpret mode)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference_f32(name):
+    _check(CASES[name], 37, jnp.float32, F32_TOL)
+
+
+@pytest.mark.parametrize("name, n", [("odd_int2_g64_g20", 1), ("mxfp8", 3)])
+def test_decode_sizes_f32(name, n):
+    _check(CASES[name], n, jnp.float32, F32_TOL)
+
+
+def test_small_tiles_f32():
+    """A K chunk smaller than the group (16 < 64: one scale per chunk, group index kk // 4), one int32 word per row
+    and chunk (int2, bk 16), bm 32 and several column tiles per projection."""
+    cfg = MoEConfig(bm=32, gu_bn=16, gu_bk=16, dn_bn=32, dn_bk=32, num_warps=4, num_stages=1)
+    _check(CASES["int2_g64"], 37, jnp.float32, F32_TOL, config=cfg)
+
+
+@pytest.mark.parametrize("mode", ["empty", "one_in_all", "all_one", "dup"])
+def test_ragged_routing(mode):
+    """Empty experts, one expert in every token (3 M-blocks), all slots on one expert, repeated experts per token
+    (same shapes as test_matches_reference_f32's case: the compiled kernel is reused)."""
+    _check(CASES["odd_int4_asym_g32_g8"], 37, jnp.float32, F32_TOL, mode=mode, seed=1)
+
+
+@pytest.mark.parametrize("name", ["odd_int4_asym_g32_g8", "odd_mxfp8"])
+def test_matches_reference_bf16(name):
+    _check(CASES[name], 37, jnp.bfloat16, BF16_TOL)
+
+
+def test_grad_matches_reference():
+    case = CASES["odd_int4_asym_g32_g8"]
+    gm, dm = case.metas()
+    x, idx, w, gu, dn = _data(case, 37, jnp.float32, seed=2)
+    ct = jnp.asarray(np.random.default_rng(3).standard_normal((37, case.hidden)), jnp.float32)
+
+    def loss(impl):
+        def f(x, w):
+            if impl == "pallas":
+                out = moe_experts_pallas(x, idx, w, (*gu, gm), (*dn, dm), interpret=True)
+            else:
+                out = moe_experts(x, idx, w, (*gu, gm), (*dn, dm))
+            return jnp.sum(out * ct)
+        return f
+
+    both = jax.jit(lambda x, w: (jax.grad(loss("pallas"), argnums=(0, 1))(x, w),
+                                 jax.grad(loss("reference"), argnums=(0, 1))(x, w)))
+    got, want = both.lower(x, w).compile(compiler_options=_XLA_OPTS)(x, w)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
+
+
+def test_e8m0_scale_bits():
+    """In-kernel E8M0 decode is bit-exact with the host decoder (qjax.quant.packing): 0 → 2^-127, 255 → +inf.
+
+    The reference's ``jnp.ldexp`` gives 0 for code 0 on XLA CPU (subnormals flushed); the products with the E4M3
+    values are flushed the same way there, so the kernels still match the reference (mxfp8 cases sprinkle code 0).
+    """
+    s = np.arange(256, dtype=np.uint8)
+    got = np.asarray(jax.jit(_e8m0_to_f32)(jnp.asarray(s)))
+    np.testing.assert_array_equal(got.view(np.uint32), e8m0_to_float32(s).view(np.uint32))
+    want = np.asarray(jnp.ldexp(jnp.ones((256,), jnp.float32), jnp.asarray(s, jnp.int32) - 127))
+    np.testing.assert_array_equal(got[1:].view(np.uint32), want[1:].view(np.uint32))
+    assert got[0].view(np.uint32) == 0x00400000 and np.isposinf(got[255])
+
+
+@pytest.mark.parametrize("dense", [True, False])
+@pytest.mark.parametrize("mode", ["topk", "empty", "all_one", "dup"])
+def test_align_blocks(mode, dense):
+    """moe_align_block_size invariants (compare-based and sort-based formulations): each M-block one expert, rows
+    hold exactly that expert's slots in slot order, empty experts own no block, unused blocks are −1, every slot has
+    its own row."""
+    case = dataclasses.replace(CASES["odd_int4_asym_g32_g8"], experts=7)
+    n, k, e, bm = 37, case.top_k, case.experts, 16
+    idx, _ = _routing(n, case, mode, jnp.float32, np.random.default_rng(4))
+    blk_expert, row_slot, slot_row = map(np.asarray, jax.jit(_align, static_argnums=(1, 2), static_argnames="dense")(
+        idx, e, bm, dense=dense))
+    idx = np.asarray(idx)
+    s = n * k
+    counts = np.bincount(idx.reshape(-1), minlength=e)
+    used = int(np.sum(-(-counts // bm)))
+    assert blk_expert.shape[0] >= used and np.all(blk_expert[used:] == -1)
+    assert sorted(np.unique(blk_expert[:used]).tolist()) == np.flatnonzero(counts).tolist()
+    assert np.all(np.diff(blk_expert[:used]) >= 0)
+    np.testing.assert_array_equal(row_slot[slot_row], np.arange(s).reshape(n, k))  # slot → row → slot
+    np.testing.assert_array_equal(blk_expert[slot_row // bm], idx)  # each slot's row lies in its expert's block
+    assert np.sum(row_slot < s) == s and np.all(row_slot[row_slot >= s] == s)  # the rest is padding
+    for b in range(used):  # within a block: that expert's slots in slot order, then padding
+        blk = row_slot[b * bm:(b + 1) * bm]
+        real = blk[blk < s]
+        assert np.all(np.diff(real) > 0) and np.all(blk[len(real):] == s)
+
+
+def test_config_tiles():
+    gm, dm = QuantMeta("int", 2, 64, 2048, 1024), QuantMeta("int", 2, 64, 512, 2048)
+    dec, pre = moe_config(8, 256, 2048, 512, gm, dm), moe_config(4096, 256, 2048, 512, gm, dm)
+    assert (dec.bm, dec.gu_bn, dec.gu_bk, dec.dn_bn, dec.dn_bk) == (16, 32, 128, 64, 128)
+    assert (pre.bm, pre.gu_bn) == (32, 64)
+    assert moe_config(65536, 256, 2048, 512, gm, dm).bm == 64
+    for cfg in (dec, pre):
+        for v in dataclasses.astuple(cfg)[:5]:
+            assert v >= 16 and v & (v - 1) == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU lowering, Level A (abstract H200, Triton custom call in the StableHLO)
+# ----------------------------------------------------------------------------------------------------------------
+
+_TRITON_TARGET = getattr(moe_pallas.plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+
+
+def _odd_lowering_cases():
+    """Masked / generic-group / tensor-strategy paths (odd shapes) — they never occur in the real model, but
+    must obey the Triton lowering rules too."""
+    out = []
+    for name in ("odd_int2_g64_g20", "odd_int4_asym_g32_g8", "odd_int4_tensor_asym", "odd_mxfp8"):
+        case = CASES[name]
+        gm, dm = case.metas()
+        x, idx, w, gu, dn = _data(case, 37, jnp.float32)
+        ng = len([a for a in gu if a is not None])
+
+        def fn(x, idx, w, *arrays, _gm=gm, _dm=dm, _ng=ng):
+            gu_, dn_ = arrays[:_ng], arrays[_ng:]
+            gu_ = (*gu_, None) if len(gu_) == 2 else gu_
+            dn_ = (*dn_, None) if len(dn_) == 2 else dn_
+            return moe_experts_pallas(x, idx, w, (*gu_, _gm), (*dn_, _dm), interpret=False)
+
+        arrays = (x, idx, w, *[a for a in (*gu, *dn) if a is not None])
+        out.append((f"odd_{name}", fn, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)))
+    return out
+
+
+_LOWERING = {name: (fn, specs) for name, fn, specs in lowering_cases()}
+
+
+def _lower_for_h200(fn, specs) -> str:
+    if not all(hasattr(jax.sharding, a) for a in ("AbstractDevice", "AbstractMesh", "use_abstract_mesh")):
+        pytest.skip("this jax has no abstract-device lowering")
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_lowering_cases_cover_the_matrix():
+    names = set(_LOWERING)
+    assert len(names) == 12
+    for scheme in ("int2_g64", "int4_g128", "int8_g32", "mxfp8"):
+        for label in ("decode1", "decode8", "prefill512"):
+            assert f"moe_{scheme}_{label}" in names
+    _, specs = _LOWERING["moe_int2_g64_prefill512"]
+    assert specs[0].shape == (512, 2048) and specs[1].shape == (512, 8)
+    assert specs[3].shape == (256, 1024, 128) and specs[5].shape == (256, 2048, 32)  # int2: 16 values per word
+
+
+@pytest.mark.parametrize("name", list(_LOWERING))
+def test_lowers_for_h200(name):
+    fn, specs = _LOWERING[name]
+    text = _lower_for_h200(fn, specs)
+    assert text.count(_TRITON_TARGET) == 2  # gate_up and down kernels
+    assert "mosaic_gpu" not in text
+
+
+@pytest.mark.parametrize("name, fn, specs", [pytest.param(*c, id=c[0]) for c in _odd_lowering_cases()])
+def test_odd_shapes_lower_for_h200(name, fn, specs):
+    assert _lower_for_h200(fn, specs).count(_TRITON_TARGET) == 2
