@@ -57,6 +57,13 @@ def unpack_int(packed: jnp.ndarray, bits: int, cols: int) -> jnp.ndarray:
     return u.astype(jnp.int32) - (1 << (bits - 1))
 
 
+def e8m0_to_float32(u8: jnp.ndarray) -> jnp.ndarray:
+    """``2^(u8 − 127)`` exactly, by building the float32 bits (``ldexp`` flushes 2^−127 to 0 on XLA:CPU);
+    255 → +inf as compressed-tensors decodes it."""
+    u = u8.astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(jnp.where(u == 0, jnp.uint32(0x00400000), u << 23), jnp.float32)
+
+
 def _expand_groups(s: jnp.ndarray, group_size: int, cols: int) -> jnp.ndarray:
     """``[..., N, G]`` per-group values → ``[..., N, cols]``."""
     return jnp.repeat(s, group_size, axis=-1, total_repeat_length=s.shape[-1] * group_size)[..., :cols]
@@ -66,9 +73,7 @@ def dequantize(packed, scale, zero, meta: QuantMeta, dtype=jnp.float32) -> jnp.n
     """Packed weight → dense ``[..., N, K]`` in ``dtype`` (fp32 math, one final rounding)."""
     k = meta.in_features
     if meta.fmt == "mxfp8":
-        exp = scale.astype(jnp.int32) - 127
-        s = jnp.ldexp(jnp.ones(exp.shape, jnp.float32), exp)
-        w = packed.astype(jnp.float32) * _expand_groups(s, 32, k)
+        w = packed.astype(jnp.float32) * _expand_groups(e8m0_to_float32(scale), 32, k)
         return w.astype(jnp.bfloat16).astype(dtype)
     q = unpack_int(packed, meta.bits, k).astype(jnp.float32)
     if zero is not None:

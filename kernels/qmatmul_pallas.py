@@ -1,0 +1,448 @@
+"""Pallas (Triton backend) dequant-matmul: ``x [..., K] @ dequant(W)ᵀ`` with the weight kept packed in HBM.
+
+Same contract as :func:`kernels.reference.qmatmul` (the oracle), see that module for the weight formats:
+
+- ``fmt == "int"``: ``packed`` int32 ``[N, ceil(K·b/32)]`` (b ∈ {2, 4, 8}, LSB first, +2^(b−1) offset), ``scale``
+  ``[N, G]`` (groups of a power-of-two size, or ``G == 1`` for channel, or ``[1, 1]`` for tensor), optional
+  ``zero`` int8 ``[N, G]``;
+- ``fmt == "mxfp8"``: ``packed`` float8_e4m3fn ``[N, K]``, ``scale`` uint8 E8M0 ``[N, K/32]``.
+
+Each weight element is dequantized in fp32 registers right before the MMA — ``(q − zp)·scale`` (MXFP8:
+``w·2^(s−127)``) — rounded once to ``meta.scale_dtype`` (bf16 for MXFP8), cast to ``x.dtype``; products accumulate
+in fp32 and the output has ``x.dtype``.
+
+Two paths, chosen statically from the (static) shapes, one kernel body, grid ``(M/bm, N/bn, S)``:
+
+- **GEMV path** (``M ≤ 16``): a single M block (M padded to 16 for the tensor-core dot; ``M == 1`` uses a
+  multiply-and-row-reduce instead, no MMA padding), so every weight byte is streamed exactly once; split-K ``S > 1``
+  when ``N/bn`` alone would leave most of the 132 SMs idle.
+- **GEMM path** (prefill, ``M > 16``): ``bm × bn`` tiles, ``lax.fori_loop`` over K in ``bk`` chunks; tiles shrink
+  and K is split (``S ≤ 4``) while the grid is below one wave.
+
+Each K chunk applies its group scales / zero points to the dequantized ``[bn, bk]`` tile: ``bk`` a multiple of the
+group (``bk/g`` scales per row) or a divisor of it (one scale column per chunk); channel / tensor scales are one
+per row. With ``S > 1`` the kernel writes ``S`` fp32 partials, reduced by a second (XLA) pass. Block sizes:
+:func:`choose_config`; ``config=`` overrides them.
+
+Triton-lowering rules honoured (KERNELS.md §3–§4): every loaded / computed tile is a power of two (M, N and K are
+zero-padded outside the kernel to block multiples, so odd shapes work); no captured constants (shifts come from
+``broadcasted_iota``); int2/int4/int8 are unpacked from int32 words with shifts and masks; E8M0 bytes are loaded as
+uint8 and turned into powers of two by bit-casting ``e << 23`` (``e == 0`` → 2^−127 built as 2^−63·2^−64 so no
+subnormal intermediate is needed, ``e == 255`` → +inf, exactly like ``2^(e−127)`` in fp32); the dot never sees
+unsigned ints; ``plgpu.CompilerParams(num_warps, num_stages)`` is always passed (the default GPU backend of
+``pallas_call`` differs between jax 0.10 and 0.11+).
+
+Interpret mode (CPU tests) runs the same body; only the two roundings use ``lax.reduce_precision`` there (see
+:func:`_round`).
+
+``qmatmul_pallas`` is a ``jax.custom_vjp``: the backward pass is ``g @ dequant(W)`` with the plain-JAX
+:func:`kernels.reference.dequantize`; ``packed`` / ``scale`` / ``zero`` get no cotangent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from . import reference
+from .reference import QuantMeta
+
+__all__ = ["KernelConfig", "choose_config", "lowering_cases", "qmatmul_pallas", "supported"]
+
+# jax 0.10.2 … 0.12 export ``CompilerParams``; older releases called it ``TritonCompilerParams``.
+_CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+
+NUM_SMS = 132  # H200
+SMEM_BUDGET = 160 * 1024  # stay well under the 232,448 B opt-in limit per block
+GEMV_MAX_M = 16
+_DOT_MIN = 16  # tensor-core dot: every dim ≥ 16
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static launch configuration (hashable; chosen by :func:`choose_config` unless given explicitly)."""
+
+    path: str  # "gemv" | "gemm"
+    bm: int  # rows of x per program (gemv: the one padded M block)
+    bn: int  # output features per program
+    bk: int  # K chunk per fori_loop step
+    split_k: int = 1  # K ranges on the third grid axis; their fp32 partials are summed by a second pass
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _group(meta: QuantMeta, num_scale_cols: int) -> int | None:
+    """Columns per scale inside the kernel: ``None`` = one scale per row (channel / tensor / one group)."""
+    if meta.fmt == "mxfp8":
+        return 32
+    if num_scale_cols == 1:
+        return None
+    return meta.group_size
+
+
+def supported(meta: QuantMeta, num_scale_cols: int | None = None) -> bool:
+    """Whether the Pallas kernel handles this format (else :func:`qmatmul_pallas` falls back to the reference)."""
+    if meta.fmt == "mxfp8":
+        return True
+    if meta.fmt != "int" or meta.bits not in (2, 4, 8):
+        return False
+    g = _group(meta, meta.scale_shape[-1] if num_scale_cols is None else num_scale_cols)
+    return g is None or _is_pow2(g)
+
+
+def _weight_bits(meta: QuantMeta) -> int:
+    return 8 if meta.fmt == "mxfp8" else meta.bits
+
+
+def _smem_estimate(cfg: KernelConfig, meta: QuantMeta, x_bytes: int) -> int:
+    """Per-block shared memory of the Triton pipeline, over-estimated: staged x / packed-weight / scale tiles + the
+    dequantized tile's trip to the dot-operand layout (deviceless H200 compiles report less, e.g. 81,920 B for
+    bm = bn = 128, bk = 64, 3 stages, int8)."""
+    per_stage = cfg.bm * cfg.bk * x_bytes + cfg.bn * cfg.bk * _weight_bits(meta) // 8 + cfg.bn * 8
+    return cfg.num_stages * per_stage + cfg.bn * cfg.bk * x_bytes
+
+
+def _max_split(k: int, bk: int, group: int | None, want: int) -> int:
+    """Largest power-of-two split ≤ ``want`` leaving every split ≥ one K chunk (and ≥ one group when groups > bk)."""
+    unit = max(bk, group or 1)
+    return max(1, min(_pow2_floor(max(1, want)), _pow2_floor(max(1, k // unit))))
+
+
+def choose_config(m: int, n: int, k: int, meta: QuantMeta, x_dtype=jnp.bfloat16) -> KernelConfig:
+    """Block sizes by shape (static); see the module docstring for the two paths.
+
+    GEMV (``M ≤ 16``): ``bk`` makes each row's chunk of packed weights 128 B where K allows (int2 512, int4 256,
+    int8 / fp8 128 values) and ``bn = 8192 / bk`` keeps the dequantized ``[bn, bk]`` tile at 8K elements for 4 warps;
+    split-K brings the grid to about one wave (132 SMs) when ``N / bn`` is smaller.
+    GEMM: ``bm ≤ 128``, ``bn ≤ 128``, ``bk`` 128 (≤ 4-bit) or 64 (8-bit), 3 stages; tiles shrink to 64 and then
+    K is split (≤ 4) while the grid is below one wave; stages / ``bk`` shrink if the shared-memory estimate
+    exceeds :data:`SMEM_BUDGET`.
+    """
+    x_bytes = jnp.dtype(x_dtype).itemsize
+    bits = _weight_bits(meta)
+    group = _group(meta, meta.scale_shape[-1])
+    kp2 = _pow2_ceil(max(k, 16))
+    if m <= GEMV_MAX_M:
+        bk = min(kp2, max(64, 1024 // bits))
+        bn = max(_DOT_MIN, min(_pow2_ceil(n), 8192 // bk))
+        nblocks = _cdiv(n, bn)
+        split = _max_split(k, bk, group, NUM_SMS // nblocks) if nblocks < NUM_SMS else 1
+        return KernelConfig("gemv", _DOT_MIN, bn, bk, split, num_warps=4, num_stages=3)
+    bm = min(128, max(_DOT_MIN, _pow2_ceil(m)))
+    bn = min(128, max(_DOT_MIN, _pow2_ceil(n)))
+    bk = min(kp2, 128 if bits <= 4 else 64)
+
+    def programs():
+        return _cdiv(m, bm) * _cdiv(n, bn)
+
+    while programs() < NUM_SMS and bn > 64:
+        bn //= 2
+    while programs() < NUM_SMS and bm > 64:
+        bm //= 2
+    split = _max_split(k, bk, group, min(4, NUM_SMS // programs())) if programs() < NUM_SMS // 2 else 1
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    cfg = KernelConfig("gemm", bm, bn, bk, split, num_warps=warps, num_stages=3)
+    while _smem_estimate(cfg, meta, x_bytes) > SMEM_BUDGET and (cfg.num_stages > 2 or cfg.bk > 32):
+        if cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        else:
+            cfg = dataclasses.replace(cfg, bk=cfg.bk // 2)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kernel bodies
+# ---------------------------------------------------------------------------------------------------------------------
+def _e8m0_factors(e: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """E8M0 bytes (int32) → (a, b) float32 with ``a·b = 2^(e−127)`` and no subnormal factor (e = 255 → inf)."""
+    is_zero = e == 0
+    a_bits = jnp.where(is_zero, 64, e) << 23  # e == 0: 2^-63
+    b_bits = jnp.where(is_zero, 63, 127) << 23  # e == 0: 2^-64, else 1
+    return lax.bitcast_convert_type(a_bits, jnp.float32), lax.bitcast_convert_type(b_bits, jnp.float32)
+
+
+def _round(w: jax.Array, scale_dtype, out_dtype, interpret: bool) -> jax.Array:
+    """fp32 ``w`` → ``w.astype(scale_dtype).astype(out_dtype)`` (each step round-to-nearest-even).
+
+    Interpret mode rounds with explicit ``reduce_precision`` ops instead: XLA:CPU (``xla_allow_excess_precision``;
+    observed in its YNNPACK fusions) may drop a narrowing-then-widening convert pair — even across an
+    ``optimization_barrier`` — and so skip the rounding the GPU kernel performs; ``reduce_precision`` is kept.
+    """
+    if not interpret:
+        return w.astype(scale_dtype).astype(out_dtype)
+    for dt in (jnp.dtype(scale_dtype), jnp.dtype(out_dtype)):
+        if dt != jnp.float32:
+            fi = jnp.finfo(dt)
+            w = lax.reduce_precision(w, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    return w.astype(out_dtype)
+
+
+def _dequant_tile(w_ref, s_ref, z_ref, c, *, meta: QuantMeta, bk: int, group: int | None, out_dtype,
+                  interpret: bool) -> jax.Array:
+    """K chunk ``c`` of this program's rows → dequantized ``[bn, bk]`` tile in ``out_dtype``."""
+    bn = w_ref.shape[0]
+    scale_dtype = jnp.bfloat16 if meta.fmt == "mxfp8" else jnp.dtype(meta.scale_dtype)
+    rnd = functools.partial(_round, scale_dtype=scale_dtype, out_dtype=out_dtype, interpret=interpret)
+    if meta.fmt == "mxfp8":
+        v = w_ref[:, pl.ds(pl.multiple_of(c * bk, bk), bk)].astype(jnp.float32)  # [bn, bk]
+        ng = bk // 32
+        e = s_ref[:, pl.ds(pl.multiple_of(c * ng, ng), ng)].astype(jnp.int32)  # [bn, bk/32]
+        a, b = _e8m0_factors(e)
+        w = (v.reshape(bn, ng, 32) * a[:, :, None]) * b[:, :, None]
+        return rnd(w.reshape(bn, bk))
+
+    bits = meta.bits
+    per = 32 // bits
+    nw = bk // per
+    words = w_ref[:, pl.ds(pl.multiple_of(c * nw, nw), nw)]  # [bn, bk/per] int32
+    shifts = lax.broadcasted_iota(jnp.int32, (bn, nw, per), 2) * bits
+    u = lax.shift_right_logical(jnp.broadcast_to(words[:, :, None], (bn, nw, per)), shifts) & ((1 << bits) - 1)
+    q = (u - (1 << (bits - 1))).astype(jnp.float32)  # [bn, nw, per]
+    if group is None:  # one scale (and zero point) per row
+        s = s_ref[...].astype(jnp.float32)  # [bn, 1]
+        q = q.reshape(bn, bk)
+        if z_ref is not None:
+            q = q - z_ref[...].astype(jnp.float32)
+        w = q * s
+    elif bk >= group:  # the chunk holds bk/group whole groups
+        ng = bk // group
+        q = q.reshape(bn, ng, group)
+        s = s_ref[:, pl.ds(pl.multiple_of(c * ng, ng), ng)].astype(jnp.float32)[:, :, None]
+        if z_ref is not None:
+            q = q - z_ref[:, pl.ds(pl.multiple_of(c * ng, ng), ng)].astype(jnp.float32)[:, :, None]
+        w = (q * s).reshape(bn, bk)
+    else:  # the chunk lies inside one group
+        gi = (c * bk) // group
+        q = q.reshape(bn, bk)
+        s = s_ref[:, pl.ds(gi, 1)].astype(jnp.float32)  # [bn, 1]
+        if z_ref is not None:
+            q = q - z_ref[:, pl.ds(gi, 1)].astype(jnp.float32)
+        w = q * s
+    return rnd(w)
+
+
+def _kernel(*refs, meta: QuantMeta, cfg: KernelConfig, group: int | None, has_zero: bool, nk: int, reduce_rows: bool,
+            interpret: bool):
+    if has_zero:
+        x_ref, w_ref, s_ref, z_ref, o_ref = refs
+    else:
+        (x_ref, w_ref, s_ref, o_ref), z_ref = refs, None
+    x_dtype = x_ref.dtype
+    bk = cfg.bk
+    precision = lax.Precision.HIGHEST if x_dtype == jnp.float32 else None
+    dequant = functools.partial(_dequant_tile, w_ref, s_ref, z_ref, meta=meta, bk=bk, group=group, out_dtype=x_dtype,
+                                interpret=interpret)
+
+    if reduce_rows:  # M == 1: multiply + row reduction (no 16-row MMA padding)
+        def body(c, acc):
+            xs = x_ref[:, pl.ds(pl.multiple_of(c * bk, bk), bk)].astype(jnp.float32)  # [1, bk]
+            w = dequant(c).astype(jnp.float32)  # [bn, bk]
+            return acc + jnp.sum(w * xs, axis=1)
+
+        acc = lax.fori_loop(0, nk, body, jnp.zeros((w_ref.shape[0],), jnp.float32))
+        o_ref[...] = acc[None, :].astype(o_ref.dtype)
+        return
+
+    def body(c, acc):
+        xs = x_ref[:, pl.ds(pl.multiple_of(c * bk, bk), bk)]  # [bm, bk]
+        w = dequant(c)  # [bn, bk]
+        return acc + lax.dot_general(xs, w, (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, nk, body, jnp.zeros((x_ref.shape[0], w_ref.shape[0]), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _pad2(a: jax.Array, rows: int, cols: int) -> jax.Array:
+    pr, pc = rows - a.shape[0], cols - a.shape[1]
+    return a if pr == 0 and pc == 0 else jnp.pad(a, ((0, pr), (0, pc)))
+
+
+def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelConfig, interpret: bool) -> jax.Array:
+    """``x [M, K]`` → ``[M, N]`` through one pallas_call (+ the split-K reduction)."""
+    m, k = x.shape
+    n = meta.out_features
+    group = _group(meta, scale.shape[-1])
+    per = 1 if meta.fmt == "mxfp8" else 32 // meta.bits
+    bm, bn, bk, split = cfg.bm, cfg.bn, cfg.bk, cfg.split_k
+    assert _is_pow2(bm) and _is_pow2(bn) and _is_pow2(bk) and _is_pow2(split), cfg
+    assert bk % per == 0 and (meta.fmt != "mxfp8" or bk % 32 == 0), (cfg, meta)
+
+    # K per program (one split) is a multiple of bk and, when groups are larger than bk, of the group.
+    k_unit = bk * split if group is None or group <= bk else group * split
+    kp = _cdiv(k, k_unit) * k_unit
+    ks = kp // split
+    nk = ks // bk
+    mp = _cdiv(m, bm) * bm
+    np_ = _cdiv(n, bn) * bn
+
+    # tensor strategy / per-row zero: bring scale and zero to [N, G]
+    if scale.shape[0] != n:
+        scale = jnp.broadcast_to(scale, (n, scale.shape[-1]))
+    if zero is not None and zero.shape[0] != n:
+        zero = jnp.broadcast_to(zero, (n, zero.shape[-1]))
+    xg = _pad2(x, mp, kp)
+    wg = _pad2(packed, np_, kp // per)
+    if group is None:
+        gp, gs = 1, 1
+    else:
+        gp, gs = kp // group, ks // group  # scale columns in all / in one split
+    sg = _pad2(scale, np_, gp)
+    zg = None if zero is None else _pad2(zero, np_, gp)
+
+    reduce_rows = cfg.path == "gemv" and m == 1
+    if reduce_rows:
+        bm, mp = 1, 1
+        xg = xg[:1]
+
+    if cfg.path == "gemv":
+        assert mp == bm, (m, cfg)
+    mb, nb = mp // bm, np_ // bn
+    grid = (mb, nb, split)  # program_id(0) fastest: consecutive programs share a weight tile
+    x_spec = pl.BlockSpec((bm, ks), lambda i, j, s: (i, s))
+    w_spec = pl.BlockSpec((bn, ks // per), lambda i, j, s: (j, s))
+    if group is None:
+        s_spec = pl.BlockSpec((bn, 1), lambda i, j, s: (j, 0))
+    else:
+        s_spec = pl.BlockSpec((bn, gs), lambda i, j, s: (j, s))
+    o_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (s * mb + i, j))  # split s writes rows [s·Mp, (s+1)·Mp)
+    out_shape = jax.ShapeDtypeStruct((split * mp, np_), jnp.float32 if split > 1 else x.dtype)
+
+    in_specs = [x_spec, w_spec, s_spec] + ([s_spec] if zg is not None else [])
+    args = (xg, wg, sg) + ((zg,) if zg is not None else ())
+    kernel = functools.partial(_kernel, meta=meta, cfg=cfg, group=group, has_zero=zg is not None, nk=nk,
+                               reduce_rows=reduce_rows, interpret=bool(interpret))
+    out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=o_spec,
+        compiler_params=_CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"qmatmul_{cfg.path}_{meta.fmt}{'' if meta.fmt == 'mxfp8' else meta.bits}",
+    )(*args)
+    if split > 1:  # second pass: reduce the fp32 partials of the K splits
+        out = out.reshape(split, mp, np_).sum(axis=0).astype(x.dtype)
+    return out[:m, :n]
+
+
+@functools.partial(jax.jit, static_argnames=("meta", "interpret", "config"))
+def _forward(x, packed, scale, zero, meta: QuantMeta, interpret: bool, config: KernelConfig | None):
+    k, n = meta.in_features, meta.out_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        return jnp.zeros((*lead, n), x.dtype)
+    if not supported(meta, scale.shape[-1]):
+        return reference.qmatmul(x, packed, scale, zero, meta)
+    cfg = config or choose_config(m, n, k, meta, x.dtype)
+    if cfg.path == "gemv" and m > cfg.bm:
+        raise ValueError(f"gemv config with bm={cfg.bm} cannot take M={m}")
+    y = _qmatmul_2d(x2, packed, scale, zero, meta, cfg, interpret)
+    return y.reshape(*lead, n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _qmatmul(x, packed, scale, zero, meta, interpret, config):
+    return _forward(x, packed, scale, zero, meta, interpret, config)
+
+
+def _qmatmul_fwd(x, packed, scale, zero, meta, interpret, config):
+    return _forward(x, packed, scale, zero, meta, interpret, config), (packed, scale, zero)
+
+
+def _qmatmul_bwd(meta, interpret, config, res, g):
+    packed, scale, zero = res
+    w = reference.dequantize(packed, scale, zero, meta, g.dtype)  # [N, K]
+    precision = lax.Precision.HIGHEST if g.dtype == jnp.float32 else None
+    dx = lax.dot_general(g, w, (((g.ndim - 1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+    return dx.astype(g.dtype), None, None, None
+
+
+_qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
+
+
+def qmatmul_pallas(x, packed, scale, zero, meta: QuantMeta, *, interpret: bool = False,
+                   config: KernelConfig | None = None) -> jax.Array:
+    """``x [..., K] @ dequant(W)ᵀ`` → ``[..., N]`` in ``x.dtype`` (fp32 accumulation); Pallas-Triton kernel.
+
+    ``interpret=True`` runs the same kernel in Pallas interpret mode (any backend; call it under ``jax.jit``).
+    ``config`` overrides the block sizes / path chosen by :func:`choose_config` (tests, tuning).
+    Differentiable w.r.t. ``x`` only.
+    """
+    return _qmatmul(x, packed, scale, zero, meta, bool(interpret), config)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU lowering cases (KERNELS.md §6 Level A / B)
+# ---------------------------------------------------------------------------------------------------------------------
+LAYER_SHAPES = ((8192, 2048), (2048, 4096), (512, 2048), (2048, 512))  # (N, K): q_proj / in_proj_qkv, o_proj /
+# out_proj, routed/shared expert gate|up, expert down
+LOWERING_M = (1, 8, 64, 512)  # GEMV path (1, 8), GEMM path (64, 512)
+_VARIANTS = (
+    ("int2_g64", {"fmt": "int", "bits": 2, "group_size": 64}),
+    ("int4_g128", {"fmt": "int", "bits": 4, "group_size": 128}),
+    ("int4_asym_g128", {"fmt": "int", "bits": 4, "group_size": 128, "symmetric": False}),
+    ("int8_g32", {"fmt": "int", "bits": 8, "group_size": 32}),
+    ("int8_channel", {"fmt": "int", "bits": 8, "group_size": None, "strategy": "channel"}),
+    ("mxfp8", {"fmt": "mxfp8", "bits": 8, "group_size": 32, "scale_dtype": "uint8"}),
+)
+
+
+def _case(name: str, spec: dict, m: int, n: int, k: int, x_dtype=jnp.bfloat16):
+    spec = dict(spec)
+    if spec.get("group_size") is None:
+        spec["group_size"] = k
+    meta = QuantMeta(in_features=k, out_features=n, **spec)
+    sds = jax.ShapeDtypeStruct
+    if meta.fmt == "mxfp8":
+        w = sds((n, k), jnp.float8_e4m3fn)
+        s = sds(meta.scale_shape, jnp.uint8)
+    else:
+        w = sds((n, meta.packed_cols), jnp.int32)
+        s = sds(meta.scale_shape, jnp.dtype(meta.scale_dtype))
+    x = sds((m, k), x_dtype)
+    if meta.symmetric:
+        def fn(x, packed, scale, _meta=meta):
+            return qmatmul_pallas(x, packed, scale, None, _meta, interpret=False)
+
+        args = (x, w, s)
+    else:
+        def fn(x, packed, scale, zero, _meta=meta):
+            return qmatmul_pallas(x, packed, scale, zero, _meta, interpret=False)
+
+        args = (x, w, s, sds(meta.scale_shape, jnp.int8))
+    return f"{name}_m{m}_n{n}_k{k}", fn, args
+
+
+def lowering_cases() -> list[tuple[str, Callable, tuple[jax.ShapeDtypeStruct, ...]]]:
+    """(name, fn, arg_specs) per kernel variant × path × real layer shape; ``fn(*arrays)`` runs the GPU kernel."""
+    return [_case(name, spec, m, n, k) for name, spec in _VARIANTS for m in LOWERING_M for n, k in LAYER_SHAPES]

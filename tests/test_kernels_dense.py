@@ -1,0 +1,358 @@
+"""Pallas-Triton dense dequant matmul (kernels/qmatmul_pallas.py) vs the plain-JAX reference (kernels/reference.py).
+
+Numerics run the real kernels in Pallas interpret mode on CPU, always under ``jax.jit`` (compiled with cheap XLA
+options: the interpret-mode graphs are compile-bound). Random data everywhere: random int32 words (every bit
+pattern), random scales, random zero points, random E4M3 bytes (NaN encodings excluded) and E8M0 exponents.
+Shapes are odd on purpose (M ∈ {1, 5, 37}, N ∈ {24, 200}, K = 3 or 5 groups): nothing is a block multiple.
+
+Tolerances:
+- float32 x: ``max|y − ref| ≤ 1e-5 · max|ref|`` (measured ≤ 6e-7: the dequantized weights are bit-identical, only
+  the fp32 summation order differs between the tiled kernel, its split-K partials and XLA's dot).
+- bfloat16 x: kernel and reference both accumulate in fp32 and round once to bf16, so they may differ by one bf16
+  ulp (2^-8…2^-7 relative, ≈ 0.4 %) where the two fp32 sums straddle a rounding boundary, plus fp32-order noise
+  where the sum cancels to near zero: ``|y − ref| ≤ ulp(ref) + 1e-5·max|ref|`` and ≥ 97 % identical (measured: all
+  identical).
+- gradients w.r.t. x: the backward pass is plain JAX, same tolerances (measured: identical).
+
+Level A: every ``lowering_cases()`` entry lowers for CUDA under an abstract H200 mesh to the Triton custom call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qjax.kernels import reference
+from qjax.kernels.qmatmul_pallas import KernelConfig, choose_config, lowering_cases, qmatmul_pallas
+from qjax.kernels.reference import QuantMeta
+
+# jax ≥ 0.11 deprecates the Pallas Triton backend (id ``jax-pallas-triton``, KERNELS.md §3)
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+# Interpret-mode kernels are big loop nests: compile them cheaply (numerics are unaffected).
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+F32_RTOL = 1e-5
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def run_jit(fn, *args):
+    """``jax.jit(fn)(*args)``, compiled with :data:`FAST`."""
+    return jax.jit(fn).lower(*args).compile(compiler_options=FAST)(*args)
+
+
+def kernel(x, packed, scale, zero, meta, config=None):
+    return run_jit(lambda x, p, s, z: qmatmul_pallas(x, p, s, z, meta, interpret=True, config=config),
+                   x, packed, scale, zero)
+
+
+def ref_qmatmul(x, packed, scale, zero, meta):
+    """The oracle, :func:`kernels.reference.qmatmul`, jitted (op-by-op dispatch would recompile every op per shape)."""
+    return run_jit(lambda x, p, s, z: reference.qmatmul(x, p, s, z, meta), x, packed, scale, zero)
+
+
+def exact_f64(x, packed, scale, zero, meta):
+    """Second oracle: the reference's dequantized weight materialized in its scale dtype, then x @ wᵀ in float64."""
+    sd = jnp.bfloat16 if meta.fmt == "mxfp8" else jnp.dtype(meta.scale_dtype)
+    w = run_jit(lambda p, s, z: reference.dequantize(p, s, z, meta, sd), packed, scale, zero)
+    w = np.asarray(w, np.float64).astype(np.asarray(x).dtype).astype(np.float64)  # cast to x.dtype, as the contract
+    return np.asarray(x, np.float64) @ w.T
+
+
+def make_meta(fmt="int", bits=4, group=128, k=384, n=200, symmetric=True, scale_dtype="bfloat16"):
+    if fmt == "mxfp8":
+        return QuantMeta("mxfp8", 8, 32, k, n, scale_dtype="uint8")
+    strategy = group if group in ("channel", "tensor") else "group"
+    return QuantMeta("int", bits, k if strategy != "group" else group, k, n, symmetric=symmetric,
+                     strategy=strategy, scale_dtype=scale_dtype)
+
+
+def make_weight(meta: QuantMeta, rng: np.random.Generator, *, e8m0=(118, 134)):
+    """Random (packed, scale, zero) in the reference layout."""
+    n, k = meta.out_features, meta.in_features
+    if meta.fmt == "mxfp8":
+        b = rng.integers(0, 256, (n, k), dtype=np.uint8)
+        b[(b & 0x7F) == 0x7F] ^= 0x01  # no NaN encodings (0x7F / 0xFF) in the weights
+        packed = jnp.asarray(b.view(ml_dtypes.float8_e4m3fn))
+        s = rng.integers(e8m0[0], e8m0[1] + 1, meta.scale_shape, dtype=np.uint8)
+        return packed, jnp.asarray(s), None
+    words = rng.integers(-(2**31), 2**31, (n, meta.packed_cols), dtype=np.int64).astype(np.int32)
+    mag = rng.uniform(0.5, 2.0, meta.scale_shape) * rng.choice([-1.0, 1.0], meta.scale_shape) / 16
+    scale = jnp.asarray(mag, jnp.dtype(meta.scale_dtype))
+    zero = None
+    if not meta.symmetric:
+        half = 1 << (meta.bits - 1)
+        zero = jnp.asarray(rng.integers(-half, half, meta.scale_shape), jnp.int8)
+    return jnp.asarray(words), scale, zero
+
+
+def make_x(rng, shape, dtype=jnp.float32, mult=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * mult, dtype)
+
+
+def rel_err(y, ref) -> float:
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
+
+
+ERRORS: dict[str, float] = {}
+
+
+def record(kind: str, err: float) -> None:
+    """Largest error seen per kind (printed by ``pytest -s``, see :func:`test_zz_report_errors`)."""
+    ERRORS[kind] = max(ERRORS.get(kind, 0.0), err)
+
+
+def assert_f32_close(y, ref):
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    err = rel_err(y, ref)
+    assert err <= F32_RTOL, err
+    return err
+
+
+def assert_bf16_close(y, ref):
+    """At most one bf16 ulp of ``ref`` (+ fp32-order noise where the sum cancels); nearly all outputs identical."""
+    assert y.shape == ref.shape and y.dtype == ref.dtype == jnp.bfloat16
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    with np.errstate(divide="ignore"):
+        ulp = np.exp2(np.floor(np.log2(np.abs(ref))) - 7)  # bf16: 8 significant bits
+    bound = ulp + 1e-5 * np.max(np.abs(ref))
+    assert np.all(np.abs(y - ref) <= bound), np.max(np.abs(y - ref) - bound)
+    same = float(np.mean(y == ref))
+    assert same > 0.97, same
+    record("bf16 max |y-ref|/max|ref|", rel_err(y, ref))
+    record("bf16 fraction differing", 1 - same)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# every int variant: bits × group 32/64/128/channel/tensor × sym/asym, float32 x, odd shapes, both paths
+# ---------------------------------------------------------------------------------------------------------------------
+GROUPS = (32, 64, 128, "channel", "tensor")
+INT_CASES = [(bits, g, sym) for bits in (2, 4, 8) for g in GROUPS for sym in (True, False)]
+
+
+@pytest.mark.parametrize("i", range(len(INT_CASES)),
+                         ids=[f"int{b}-g{g}-{'sym' if s else 'asym'}" for b, g, s in INT_CASES])
+def test_int_variants(i):
+    """Each (group, sym) sees M = 1 (row-reduce GEMV), 5 (16-row GEMV dot) and 37 (GEMM) across the three widths."""
+    bits, group, sym = INT_CASES[i]
+    bi, gi, si = (2, 4, 8).index(bits), GROUPS.index(group), int(not sym)
+    rng = np.random.default_rng(100 + i)
+    m = (1, 5, 37)[(bi + gi) % 3]
+    n = (24, 200)[(bi + si) % 2]
+    gs = group if isinstance(group, int) else 32
+    k = gs * (3, 5)[(gi + si) % 2]  # 3 or 5 groups: never a power of two
+    scale_dtype = ("bfloat16", "float16", "bfloat16", "float32")[(bi + gi + si) % 4]
+    meta = make_meta("int", bits, group, k, n, sym, scale_dtype)
+    packed, scale, zero = make_weight(meta, rng)
+    x = make_x(rng, (m, k))
+    y = kernel(x, packed, scale, zero, meta)
+    ref = ref_qmatmul(x, packed, scale, zero, meta)
+    record("f32", assert_f32_close(y, ref))
+    if (bi + gi) % 3 == 0:  # a third of the cases (each group and width once): also vs the float64 oracle
+        assert rel_err(y, exact_f64(x, packed, scale, zero, meta)) <= F32_RTOL
+
+
+@pytest.mark.parametrize("m", (1, 5, 37))
+def test_mxfp8(m):
+    rng = np.random.default_rng(m)
+    meta = make_meta("mxfp8", k=160, n=200)
+    packed, scale, _ = make_weight(meta, rng)
+    scale = scale.at[::7, ::3].set(0)  # some E8M0 0 bytes (2^-127) among ordinary exponents
+    x = make_x(rng, (m, 160))
+    record("f32", assert_f32_close(kernel(x, packed, scale, None, meta), ref_qmatmul(x, packed, scale, None, meta)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# E8M0 edge bytes
+# ---------------------------------------------------------------------------------------------------------------------
+def _exact_mx(x, packed, scale):
+    """float64 oracle: w = bf16(e4m3 · 2^(s−127)) without any flush to zero, then x @ wᵀ in float64."""
+    v = np.asarray(packed).astype(np.float64)
+    p = np.exp2(np.asarray(scale).astype(np.float64) - 127)
+    w = v * np.repeat(p, 32, axis=1)[:, : v.shape[1]]
+    with np.errstate(over="ignore"):
+        w = w.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.asarray(x, np.float64) @ w.T
+
+
+@pytest.mark.parametrize("m", (1, 37))
+def test_e8m0_huge_and_inf(m):
+    """Bytes 253 / 254 (2^126, 2^127: finite bf16 weights near the top of the range) and 255 (+inf, as
+    ``2^(255−127)`` is in fp32: ±inf weights, NaN where the E4M3 value is 0) — same values as the reference."""
+    rng = np.random.default_rng(7 + m)
+    meta = make_meta("mxfp8", k=96, n=24)
+    packed, _, _ = make_weight(meta, rng)
+    b = np.asarray(packed).view(np.uint8).copy()
+    b[:16] &= 0xBF  # rows 0–15: |v| < 2, so v·2^127 stays finite
+    packed = jnp.asarray(b.view(ml_dtypes.float8_e4m3fn))
+    s = np.full(meta.scale_shape, 127, np.uint8)
+    s[0:8] = 254
+    s[8:16] = 253
+    s[16:20, 1] = 255  # rows 16–19: one infinite group
+    s[20:24] = [250, 251, 252]
+    scale = jnp.asarray(s)
+    x = make_x(rng, (m, 96), mult=1e-30)  # keep the finite sums far from fp32 overflow
+    y = np.asarray(kernel(x, packed, scale, None, meta))
+    ref = np.asarray(ref_qmatmul(x, packed, scale, None, meta))
+    assert np.isinf(ref[:, 16:20]).any() or np.isnan(ref[:, 16:20]).any()
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(y), np.isinf(ref))
+    fin = np.isfinite(ref)
+    np.testing.assert_array_equal(np.sign(y[~fin]), np.sign(ref[~fin]))
+    assert np.all(np.abs(y[fin] - ref[fin]) <= F32_RTOL * np.max(np.abs(ref[fin])))
+    exact = _exact_mx(x, packed, scale)
+    rows = np.isfinite(exact).all(axis=0)  # output columns (weight rows) without inf/NaN
+    assert rows[:16].all()
+    assert rel_err(y[:, rows], exact[:, rows]) <= F32_RTOL
+
+
+@pytest.mark.parametrize("m", (37,))
+def test_e8m0_zero_byte(m):
+    """Byte 0 is 2^-127, an fp32 subnormal: the kernel builds it as 2^-63·2^-64, so v·2^-127 is exact wherever it is
+    a normal number (the reference's ``ldexp`` gives 0 on XLA:CPU, which flushes the subnormal factor)."""
+    rng = np.random.default_rng(11 + m)
+    meta = make_meta("mxfp8", k=96, n=24)
+    packed, _, _ = make_weight(meta, rng)
+    s = rng.integers(1, 3, meta.scale_shape).astype(np.uint8)  # 2^-126, 2^-125 ...
+    s[:8] = 0  # ... and rows 0–7 all 2^-127
+    scale = jnp.asarray(s)
+    x = make_x(rng, (m, 96))
+    y = np.asarray(kernel(x, packed, scale, None, meta), np.float64)
+    exact = _exact_mx(x, packed, scale)
+    # values below 2^-126 are subnormal (flushed by XLA:CPU); allow that much per term
+    atol = 2 * 2.0**-126 * np.sum(np.abs(np.asarray(x, np.float64)), axis=1, keepdims=True)
+    assert np.all(np.abs(y - exact) <= 1e-5 * np.abs(exact) + atol)
+    assert np.all(np.abs(y[:, :8]) > 0)  # rows of 2^-127 scales are not flushed to zero
+    ref = np.asarray(ref_qmatmul(x, packed, scale, None, meta), np.float64)
+    assert np.all(np.abs(y[:, 8:] - ref[:, 8:]) <= 1e-5 * np.abs(exact[:, 8:]) + atol)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bf16 activations, forced configs (split-K, bk vs group), batch dims, gradients
+# ---------------------------------------------------------------------------------------------------------------------
+BF16_CASES = [("int", 4, 128, True, 1), ("int", 8, 32, False, 5), ("int", 2, 64, False, 37), ("mxfp8", 8, 32, True, 37),
+              ("int", 4, "channel", False, 1), ("mxfp8", 8, 32, True, 1)]
+
+
+@pytest.mark.parametrize("i", range(len(BF16_CASES)), ids=[f"{c[0]}{c[1]}-g{c[2]}-m{c[4]}" for c in BF16_CASES])
+def test_bf16_activations(i):
+    fmt, bits, group, sym, m = BF16_CASES[i]
+    rng = np.random.default_rng(200 + i)
+    k = 5 * (group if isinstance(group, int) else 32)
+    meta = make_meta(fmt, bits, group, k, 200, sym)
+    packed, scale, zero = make_weight(meta, rng)
+    x = make_x(rng, (m, k), jnp.bfloat16)
+    assert_bf16_close(kernel(x, packed, scale, zero, meta), ref_qmatmul(x, packed, scale, zero, meta))
+
+
+FORCED = [
+    # (name, meta args, m, config)
+    ("gemv-splitk-bk<g", ("int", 4, 128, 640, 200, False), 5, KernelConfig("gemv", 16, 32, 64, split_k=4)),
+    ("gemv-m1-splitk-bk>g", ("int", 2, 32, 160, 24, True), 1, KernelConfig("gemv", 16, 16, 64, split_k=2)),
+    ("gemm-splitk-bk<g", ("int", 8, 64, 192, 200, False), 37, KernelConfig("gemm", 16, 64, 32, split_k=2)),
+    ("gemm-small-m", ("int", 4, 32, 96, 24, False), 3, KernelConfig("gemm", 16, 16, 64)),
+    ("gemm-mx-splitk", ("mxfp8", 8, 32, 160, 200, True), 37, KernelConfig("gemm", 32, 128, 64, split_k=4)),
+    ("gemv-channel-splitk", ("int", 8, "channel", 160, 24, False), 16, KernelConfig("gemv", 16, 16, 32, split_k=4)),
+]
+
+
+@pytest.mark.parametrize("case", FORCED, ids=[c[0] for c in FORCED])
+def test_forced_configs(case):
+    _, margs, m, cfg = case
+    rng = np.random.default_rng(len(case[0]))
+    meta = make_meta(*margs)
+    packed, scale, zero = make_weight(meta, rng)
+    x = make_x(rng, (m, meta.in_features))
+    y = kernel(x, packed, scale, zero, meta, cfg)
+    record("f32", assert_f32_close(y, ref_qmatmul(x, packed, scale, zero, meta)))
+
+
+@pytest.mark.parametrize("lead", [(2, 3), (2, 19)])
+def test_leading_batch_dims(lead):
+    rng = np.random.default_rng(sum(lead))
+    meta = make_meta("int", 4, 32, 96, 24, False)
+    packed, scale, zero = make_weight(meta, rng)
+    x = make_x(rng, (*lead, 96))
+    y = kernel(x, packed, scale, zero, meta)
+    assert y.shape == (*lead, 24)
+    assert_f32_close(y, ref_qmatmul(x, packed, scale, zero, meta))
+
+
+@pytest.mark.parametrize("dtype,m", [(jnp.float32, 5), (jnp.float32, 37), (jnp.bfloat16, 1)])
+def test_grad_x(dtype, m):
+    rng = np.random.default_rng(m)
+    meta = make_meta("int", 4, 32, 96, 24, False)
+    packed, scale, zero = make_weight(meta, rng)
+    x = make_x(rng, (m, 96), dtype)
+    c = make_x(rng, (m, 24), dtype)
+
+    def loss(f):
+        return lambda x: jnp.sum((f(x) * c).astype(jnp.float32))
+
+    pal = loss(lambda x: qmatmul_pallas(x, packed, scale, zero, meta, interpret=True))
+    ref = loss(lambda x: reference.qmatmul(x, packed, scale, zero, meta))
+    g = run_jit(jax.grad(pal), x)
+    g_ref = run_jit(jax.grad(ref), x)
+    assert g.dtype == g_ref.dtype == dtype
+    if dtype == jnp.float32:
+        record("grad f32", assert_f32_close(g, g_ref))
+    else:
+        assert_bf16_close(g, g_ref)
+
+
+def test_config_choice():
+    """Paths and tiles by shape: GEMV to M = 16, power-of-two blocks, split-K only where N/bn is small."""
+    meta = make_meta("int", 4, 128, 4096, 2048)
+    assert choose_config(16, 2048, 4096, meta).path == "gemv"
+    assert choose_config(17, 2048, 4096, meta).path == "gemm"
+    big = choose_config(1, 8192, 2048, make_meta("int", 4, 128, 2048, 8192))
+    assert big.split_k == 1
+    small = choose_config(1, 512, 2048, make_meta("int", 4, 128, 2048, 512))
+    assert small.split_k > 1 and 2048 % (small.split_k * small.bk) == 0
+    for m in (1, 8, 64, 512):
+        c = choose_config(m, 200, 160, make_meta("mxfp8", k=160, n=200))
+        assert all(v & (v - 1) == 0 for v in (c.bm, c.bn, c.bk, c.split_k))
+
+
+def test_empty_and_fallback():
+    rng = np.random.default_rng(0)
+    meta = make_meta("int", 4, 32, 96, 24)
+    packed, scale, zero = make_weight(meta, rng)
+    y = qmatmul_pallas(jnp.zeros((0, 96)), packed, scale, zero, meta, interpret=True)
+    assert y.shape == (0, 24)
+    odd = QuantMeta("int", 4, 48, 96, 24)  # non-power-of-two group: plain-JAX fallback
+    packed, scale, zero = make_weight(odd, rng)
+    x = make_x(rng, (3, 96))
+    assert_f32_close(run_jit(lambda x: qmatmul_pallas(x, packed, scale, None, odd, interpret=True), x),
+                     ref_qmatmul(x, packed, scale, None, odd))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Level A: lower every kernel variant for CUDA under an abstract H200 (KERNELS.md §6)
+# ---------------------------------------------------------------------------------------------------------------------
+CASES = lowering_cases()
+VARIANTS = sorted({name.split("_m")[0] for name, _, _ in CASES})
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lowering_h200(variant):
+    if not hasattr(jax.sharding, "AbstractDevice"):
+        pytest.skip("jax without jax.sharding.AbstractDevice")
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    cases = [c for c in CASES if c[0].split("_m")[0] == variant]
+    assert len(cases) == 16  # M ∈ {1, 8, 64, 512} × 4 layer shapes
+    with jax.sharding.use_abstract_mesh(mesh):
+        for name, fn, specs in cases:
+            text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+            assert TRITON_CALL in text, name
+            assert "mosaic_gpu" not in text, name
+
+
+def test_zz_report_errors():
+    """Runs last (file order): prints the largest measured errors (``pytest -s``)."""
+    print("\nmeasured errors:", {k: f"{v:.2e}" for k, v in sorted(ERRORS.items())})
