@@ -341,7 +341,10 @@ def markdown(rows: list[Row], meta: dict, with_default: bool) -> str:
             cells += [_num(r.tps("hf_default")), _ratio(q, r.tps("hf_default"))]
         target = "–"
         if r.phase == "decode":
-            target = "MET" if (q is not None and h and q / h >= TARGET) else "MISSED"
+            if q is None or h is None or q != q or h != h:
+                target = "n/a (decode time ≤ timing noise)"
+            else:
+                target = "MET" if q / h >= TARGET else "MISSED"
         check = "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k}: {v}" for k, v in r.extra.items())
         cells += [f"{r.qjax.compile_s:.1f}", target, check]
         lines.append("| " + " | ".join(cells) + " |")
