@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .quant.layers import QuantLinear
+
 
 def linear(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     """``x @ wᵀ`` with ``x [..., in]``, ``w [out, in]`` → ``[..., out]`` in x's dtype (fp32 accumulation)."""
@@ -73,8 +75,6 @@ class MLP(nnx.Module):
 
     def __init__(self, hidden: int, intermediate: int, *, dtype, std: float, rngs: nnx.Rngs | None,
                  quant: dict | None = None, prefix: str = ""):
-        from .model import make_linear
-
         lin = lambda name, i, o: make_linear(prefix + name, i, o, quant or {}, dtype=dtype, std=std, rngs=rngs)
         self.gate_proj = lin("gate_proj", hidden, intermediate)
         self.up_proj = lin("up_proj", hidden, intermediate)
@@ -82,3 +82,13 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def make_linear(name: str, d_in: int, d_out: int, quant: dict, *, dtype, std: float, rngs: nnx.Rngs | None):
+    """A dense :class:`Linear`, or a :class:`QuantLinear` when ``quant`` (relative name → QuantMeta) lists ``name``."""
+    meta = quant.get(name)
+    if meta is None:
+        return Linear(d_in, d_out, dtype=dtype, std=std, rngs=rngs)
+    if (meta.out_features, meta.in_features) != (d_out, d_in):
+        raise ValueError(f"{name}: quantized shape {[meta.out_features, meta.in_features]} != {[d_out, d_in]}")
+    return QuantLinear(meta)

@@ -20,21 +20,11 @@ from flax import nnx, struct
 from . import gdn
 from .cache import Cache, GDNState, KVState
 from .config import FULL, LINEAR, TextConfig
-from .layers import GatedRMSNorm, Linear, RMSNorm, _normal
+from .layers import GatedRMSNorm, Linear, RMSNorm, _normal, make_linear
 from .moe import SparseMoeBlock
 from .quant.layers import Packed, QuantLinear, fake_quant_fp8, quantize_fp8
 from .quant.spec import ModelQuant
 from .rope import apply_rope, rope_cos_sin
-
-
-def make_linear(name: str, d_in: int, d_out: int, quant: dict, *, dtype, std: float, rngs: nnx.Rngs | None):
-    """A dense :class:`Linear`, or a :class:`QuantLinear` when ``quant`` (relative name → QuantMeta) lists ``name``."""
-    meta = quant.get(name)
-    if meta is None:
-        return Linear(d_in, d_out, dtype=dtype, std=std, rngs=rngs)
-    if (meta.out_features, meta.in_features) != (d_out, d_in):
-        raise ValueError(f"{name}: quantized shape {[meta.out_features, meta.in_features]} != {[d_out, d_in]}")
-    return QuantLinear(meta)
 
 
 @struct.dataclass

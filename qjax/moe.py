@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .kernels.moe_reference import routed_experts
-from .layers import MLP, Linear, _normal
+from .layers import MLP, Linear, _normal, make_linear
 
 
 def route(router_logits: jnp.ndarray, top_k: int) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -44,7 +44,6 @@ class SparseMoeBlock(nnx.Module):
     """Router → routed experts, plus a sigmoid-gated shared expert on every token (MODEL.md §2.6)."""
 
     def __init__(self, cfg, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None):
-        from .model import make_linear
         from .quant.layers import QuantExperts
 
         h, std, quant = cfg.hidden_size, cfg.initializer_range, quant or {}
