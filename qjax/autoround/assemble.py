@@ -1,0 +1,117 @@
+"""AutoRound results → a packed qjax model, through the same in-memory checkpoint path as RTN.
+
+Each tuned unit's integer codes and scales are laid out as compressed-tensors tensors (``weight_packed``,
+``weight_scale``, ``weight_shape``, ``weight_zero_point``; MXFP8 ``weight`` + E8M0 ``weight_scale``; FP8 KV
+``k_scale``/``v_scale``) and loaded by the ordinary loader, so the model in memory, the folder the writer produces and
+that folder loaded back are the same bits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from qjax.quant.config import KVCacheScheme, QuantizationConfig, WeightScheme
+from qjax.quant.packing import e8m0_to_float32, pack_zero_point, unpack_int32
+
+from . import blocks
+
+
+def dequantize_result(r, dtype) -> jnp.ndarray:
+    """What the packed model computes for a unit: ``[*lead, out, in]`` in ``dtype`` (fp32 math, rounded to the
+    scale dtype first, as compressed-tensors and qjax's kernels decompress)."""
+    if r.scheme.is_mxfp8:
+        v = np.asarray(r.packed).astype(np.float32)
+        s = np.repeat(e8m0_to_float32(np.asarray(r.scale)), 32, axis=-1)
+        return jnp.asarray(v * s).astype(jnp.bfloat16).astype(dtype)
+    k = r.in_features
+    q = unpack_int32(np.asarray(r.packed), r.scheme.bits, k).astype(np.float32)
+    g = k if r.scheme.group_size == -1 else r.scheme.group_size
+    if r.zp is not None:
+        q = q - np.repeat(np.asarray(r.zp, np.float32), g, axis=-1)
+    w = q * np.repeat(np.asarray(r.scale, np.float32), g, axis=-1)
+    return jnp.asarray(w).astype(jnp.dtype(r.scale_dtype)).astype(dtype)
+
+
+def weight_scheme(s, scale_dtype: str) -> WeightScheme:
+    if s.is_mxfp8:
+        return WeightScheme(format="mxfp8-quantized", num_bits=8, type="float", symmetric=True, strategy="group",
+                            group_size=32, scale_dtype="uint8")
+    channel = s.group_size == -1
+    return WeightScheme(format="pack-quantized", num_bits=s.bits, type="int", symmetric=s.sym,
+                        strategy="channel" if channel else "group", group_size=None if channel else s.group_size,
+                        scale_dtype=scale_dtype)
+
+
+def _module_tensors(module: str, r, scale_dtype: str) -> dict[str, tuple]:
+    """compressed-tensors tensors of one 2-D module: key → (shape, safetensors dtype, array)."""
+    if r.scheme.is_mxfp8:
+        values = np.asarray(r.packed)
+        return {f"{module}.weight": (values.shape, "F8_E4M3", values),
+                f"{module}.weight_scale": (r.scale.shape, "U8", np.asarray(r.scale, np.uint8))}
+    scale = np.asarray(jnp.asarray(r.scale, jnp.float32).astype(jnp.dtype(scale_dtype)))
+    st = {"float16": "F16", "float32": "F32", "bfloat16": "BF16"}[scale_dtype]
+    out = {f"{module}.weight_packed": (r.packed.shape, "I32", np.asarray(r.packed, np.int32)),
+           f"{module}.weight_scale": (scale.shape, st, scale),
+           f"{module}.weight_shape": ((2,), "I64", np.asarray([r.packed.shape[-2], r.in_features], np.int64))}
+    if r.zp is not None:
+        zpp = pack_zero_point(np.asarray(r.zp, np.int32), r.scheme.bits)
+        out[f"{module}.weight_zero_point"] = (zpp.shape, "I32", zpp)
+    return out
+
+
+def build_quantized_model(ar):
+    """The packed qjax model of a finished :class:`~qjax.autoround.driver.AutoRound` run."""
+    from qjax.convert.hf_writer import checkpoint_tensors as dense_tensors
+    from qjax.loading import _load
+    from qjax.quant.rtn import _MemoryCheckpoint, _dense_entries
+
+    model, mcfg, cfg = ar.model, ar.model.config, ar.cfg
+    if len(ar.results) < len(ar.layers):
+        raise RuntimeError(f"AutoRound: {len(ar.results)} of {len(ar.layers)} blocks are quantized; run() first")
+    entries: dict[str, tuple] = {}
+    groups: dict[WeightScheme, list[str]] = {}
+    quantized_modules: set[str] = set()
+    for i, res in sorted(ar.results.items()):
+        for u in blocks.layer_units(mcfg, mcfg.layer_types[i]):
+            if u.name not in res:
+                continue
+            r = res[u.name]
+            ws = weight_scheme(r.scheme, cfg.scale_dtype)
+            names = blocks.unit_names(u, i, mcfg.num_experts)
+            for e, module in enumerate(names):
+                re_ = r if not u.experts else _expert_slice(r, e)
+                for key, (shape, dt, arr) in _module_tensors(module, re_, cfg.scale_dtype).items():
+                    entries[key] = (tuple(shape), dt, (lambda a=arr: a))
+                groups.setdefault(ws, []).append(module)
+                quantized_modules.add(module)
+    kv = None
+    if ar.kv_scales:
+        strategy = "attn_head" if cfg.static_kv_granularity == "head" else "tensor"
+        kv = KVCacheScheme(num_bits=8, type="float", strategy=strategy)
+        for i, (ks, vs) in ar.kv_scales.items():
+            for name, s in (("k_scale", ks), ("v_scale", vs)):
+                arr = np.asarray(s, np.float32).reshape(-1)
+                entries[f"model.layers.{i}.self_attn.{name}"] = (arr.shape, "F32", (lambda a=arr: a))
+    ignore = sorted(n for n in ar.names if n not in quantized_modules) + ["lm_head"]
+    qc = QuantizationConfig(groups=tuple((f"group_{j}", tuple(v), k) for j, (k, v) in enumerate(groups.items())),
+                            ignore=tuple(ignore), kv_cache=kv)
+    merged: dict[str, tuple] = {}
+    for key, shape, dtype, get in _dense_entries(model, dense_tensors):
+        module = key[: -len(".weight")] if key.endswith(".weight") else None
+        if module in quantized_modules:
+            continue
+        merged[key] = (shape, dtype, get)
+    merged.update(entries)
+    ckpt = _MemoryCheckpoint(os.path.join("<memory>", "autoround"), merged)
+    qmodel = _load(mcfg, qc, ckpt, model.dtype)
+    qmodel.generation_config = getattr(model, "generation_config", None)
+    return qmodel
+
+
+def _expert_slice(r, e: int):
+    import dataclasses
+
+    return dataclasses.replace(r, packed=r.packed[e], scale=r.scale[e], zp=None if r.zp is None else r.zp[e])

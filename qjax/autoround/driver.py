@@ -1,0 +1,470 @@
+"""The per-block AutoRound (SignRound) loop: AUTOROUND.md §19 in JAX.
+
+    fp_in = q_in = embed(calibration ids)
+    for each decoder layer:
+        fp_out = layer(fp_in)                                   # target: float layer on the float stream
+        tune V, α, β of every quantizable projection so that layer_q(q_in) ≈ fp_out   (sign-SGD, best iteration kept)
+        q_in, fp_in = layer_q(q_in), fp_out                    # two streams continue
+
+Every tuning iteration (clamp α/β → qdq every weight → layer forward → token-masked MSE → sign-SGD step, best-so-far
+bookkeeping) is one jitted step; ``chunk`` of them run in one ``lax.scan`` between progress-bar updates. Device
+memory holds one layer plus the three cached streams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from qjax.config import FULL
+from qjax.quant.packing import pack_int32
+from . import blocks
+from .data import IndexSampler
+from .qdq import (fp8_kv_scale, init_params, qdq_int_asym, qdq_int_sym, quantize_mxfp8, search_scales,
+                  weight_minmax)
+from .optim import clamp_minmax, default_lr, make_optimizer
+from .schemes import Scheme, resolve
+
+logger = logging.getLogger("qjax.autoround")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoRoundConfig:
+    """auto-round 0.16.1's options and defaults (AUTOROUND.md §5), by the same names."""
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    data_type: str = "int"
+    layer_config: dict = dataclasses.field(default_factory=dict)  # parsed: {pattern: {bits, group_size, sym, …}}
+    iters: int = 200
+    nsamples: int = 128
+    seqlen: int = 2048
+    batch_size: int = 8
+    lr: float | None = None
+    minmax_lr: float | None = None
+    enable_minmax_tuning: bool = True
+    enable_quanted_input: bool = True
+    enable_alg_ext: bool = False
+    disable_opt_rtn: bool | None = None  # None: auto-round's default (True for W8, else False)
+    not_use_best_mse: bool = False
+    scale_dtype: str = "float16"
+    static_kv_dtype: str | None = None  # "fp8"
+    static_kv_granularity: str = "tensor"  # "tensor" | "head"
+    seed: int = 42
+    chunk: int = 10  # iterations per jitted scan between progress updates (no effect on the result)
+
+    def __post_init__(self):
+        if self.iters < 0:
+            raise ValueError(f"iters must be ≥ 0, got {self.iters}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be ≥ 1, got {self.batch_size}")
+        if self.static_kv_dtype not in (None, "fp8"):
+            raise ValueError(f"static_kv_dtype {self.static_kv_dtype!r} is not supported (fp8 or none)")
+        if self.static_kv_granularity not in ("tensor", "head"):
+            raise ValueError(f"static_kv_granularity {self.static_kv_granularity!r}: use tensor or head")
+        if self.scale_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"scale_dtype {self.scale_dtype!r}: use float16, bfloat16 or float32")
+
+    @property
+    def base_scheme(self) -> Scheme:
+        return Scheme(bits=self.bits, group_size=self.group_size, sym=self.sym, data_type=self.data_type)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class UnitResult:
+    """The exported form of one unit, already in compressed-tensors' layout (kept packed: a 35B run holds every
+    finished layer on the host)."""
+
+    scheme: Scheme
+    packed: np.ndarray  # int32 [*lead, out, ceil(in·b/32)] signed codes packed along in; mxfp8: float8 [*lead, out, in]
+    scale: np.ndarray  # float32 [*lead, out, G] (values of scale_dtype, may be negative); mxfp8: uint8 E8M0
+    in_features: int
+    zp: np.ndarray | None = None  # asymmetric: int8 [*lead, out, G], signed (compressed-tensors' convention)
+    scale_dtype: str = "float16"
+
+
+@dataclasses.dataclass
+class BlockReport:
+    index: int
+    kind: str
+    units: int
+    init_loss: float | None = None  # iteration 0 = RTN
+    best_loss: float | None = None
+    best_iter: int | None = None
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# quantize-dequantize of one unit
+# ---------------------------------------------------------------------------------------------------------------------
+def _scale_dtype(cfg: AutoRoundConfig):
+    return jnp.dtype(cfg.scale_dtype)
+
+
+def _qdq(w, p, c, s: Scheme, cfg: AutoRoundConfig):
+    """→ (dequantized w, scale, zp or None, q) for tunable params ``p`` and constants ``c``."""
+    if s.sym:
+        wdq, scale, q = qdq_int_sym(w, p["v"], p["alpha"], p["beta"], c["wmin"], c["wmax"], bits=s.bits,
+                                    group_size=s.group_size, scale_dtype=_scale_dtype(cfg),
+                                    init_scale=c.get("init_scale"))
+        return wdq, scale, None, q
+    wdq, scale, zp, q = qdq_int_asym(w, p["v"], p["alpha"], p["beta"], c["wmin"], c["wmax"], bits=s.bits,
+                                     group_size=s.group_size, scale_dtype=_scale_dtype(cfg))
+    return wdq, scale, zp, q
+
+
+def _is_tunable(s: Scheme) -> bool:
+    return s.quantized and not s.is_mxfp8
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the driver
+# ---------------------------------------------------------------------------------------------------------------------
+class AutoRound:
+    """Quantize a dense qjax model with AutoRound.
+
+    Usage::
+
+        ar = AutoRound(model, calib_ids, AutoRoundConfig(bits=4, group_size=128, iters=200))
+        results = ar.run()                   # {layer index: {unit name: UnitResult}}
+        qmodel = ar.quantized_model()        # packed qjax model (what the writers export)
+    """
+
+    def __init__(self, model, calib_ids: np.ndarray, cfg: AutoRoundConfig, *, progress: bool = True,
+                 progress_dir: str | None = None, resume: bool = False, fingerprint: dict | None = None,
+                 on_block: Callable[[BlockReport], None] | None = None):
+        if getattr(model, "quant", None) is not None:
+            raise ValueError("AutoRound: the model is already quantized; start from the BF16/FP32 checkpoint")
+        ids = np.asarray(calib_ids, np.int32)
+        if ids.ndim != 2 or ids.shape[0] < 1:
+            raise ValueError(f"calibration ids must be [nsamples, seqlen], got {ids.shape}")
+        self.model, self.cfg, self.ids = model, cfg, ids
+        self.mcfg = model.config
+        self.progress, self.on_block = progress, on_block
+        self.layers = blocks.decoder_layers(model)
+        self.names = self._all_linear_names()
+        self.schemes = resolve(self.names, cfg.base_scheme, cfg.layer_config)
+        self.results: dict[int, dict[str, UnitResult]] = {}
+        self.kv_scales: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.reports: list[BlockReport] = []
+        self.progress_dir, self.resume = progress_dir, resume
+        self.fingerprint = fingerprint or {}
+
+    # -- schemes ------------------------------------------------------------------------------------------------------
+    def _all_linear_names(self) -> dict[str, tuple[int, int]]:
+        out = {}
+        for i, kind in enumerate(self.mcfg.layer_types):
+            for u in blocks.layer_units(self.mcfg, kind):
+                for n in blocks.unit_names(u, i, self.mcfg.num_experts):
+                    out[n] = u.shape
+        return out
+
+    def unit_scheme(self, i: int, u: blocks.Unit) -> Scheme:
+        """The unit's scheme; a stacked expert projection needs one scheme for all its experts (one packed tensor)."""
+        names = blocks.unit_names(u, i, self.mcfg.num_experts)
+        found = {self.schemes[n] for n in names}
+        if len(found) > 1:
+            detail = ", ".join(sorted({f"{n}: {self.schemes[n].describe()}" for n in names[:4]}))
+            raise ValueError(f"--layer_config gives the experts of model.layers.{i}.mlp.experts different schemes "
+                             f"({detail}, …); qjax stores each expert projection of a layer as one packed tensor, as "
+                             "vLLM's fused MoE does, so all experts of a layer must share a scheme")
+        return found.pop()
+
+    # -- streams ------------------------------------------------------------------------------------------------------
+    def _ctx(self, b: int):
+        t = self.ids.shape[1]
+        ctx, _ = self.model._context(jnp.zeros((b, t), jnp.int32), None, None, None)
+        return ctx
+
+    def _forward(self, layer, h: jnp.ndarray) -> jnp.ndarray:
+        """``layer(h)`` over the whole stream, ``batch_size`` samples at a time."""
+        graphdef, state = nnx.split(layer)
+        fn = _forward_fn(graphdef)
+        bs = self.cfg.batch_size
+        outs = [fn(state, h[i:i + bs], self._ctx(min(bs, h.shape[0] - i))) for i in range(0, h.shape[0], bs)]
+        return jnp.concatenate(outs)
+
+    # -- main loop ----------------------------------------------------------------------------------------------------
+    def run(self) -> dict[int, dict[str, UnitResult]]:
+        from . import progress as prog
+
+        done = prog.load(self) if self.resume else 0
+        if not self.resume and self.progress_dir:
+            prog.start(self)
+        h = self.model.embed(jnp.asarray(self.ids))
+        fp_in = q_in = h
+        n_layers = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            t0 = time.perf_counter()
+            fp_out = self._forward(layer, fp_in)
+            if i < done:
+                qlayer = self._apply_results(layer, i)
+                q_in = self._forward(qlayer, q_in) if self.cfg.enable_quanted_input else fp_out
+                fp_in = fp_out
+                continue
+            kind = self.mcfg.layer_types[i]
+            units = [(u, self.unit_scheme(i, u)) for u in blocks.layer_units(self.mcfg, kind)]
+            units = [(u, s) for u, s in units if s.quantized]
+            report = BlockReport(index=i, kind=kind, units=len(units))
+            x_in = q_in if self.cfg.enable_quanted_input else fp_in
+            imatrix = self._imatrix(layer, fp_in, units) if self._needs_imatrix(units) else {}
+            res, stats = self._quantize_block(i, layer, units, x_in, fp_out, imatrix)
+            self.results[i] = res
+            report.init_loss, report.best_loss, report.best_iter = stats
+            qlayer = self._apply_results(layer, i)
+            q_out = self._forward(qlayer, q_in) if self.cfg.enable_quanted_input else fp_out
+            if self.cfg.static_kv_dtype and kind == FULL:
+                self.kv_scales[i] = self._kv_scales(qlayer, q_in)
+            fp_in, q_in = fp_out, q_out
+            report.seconds = time.perf_counter() - t0
+            self.reports.append(report)
+            if self.progress_dir:
+                prog.save_block(self, i)
+            if self.on_block:
+                self.on_block(report)
+            logger.info("block %d/%d (%s): %d units, loss iter 0 %s -> best %s (iter %s), %.1f s", i + 1, n_layers,
+                        kind, report.units, _fmt(report.init_loss), _fmt(report.best_loss), report.best_iter,
+                        report.seconds)
+        return self.results
+
+    # -- one block ----------------------------------------------------------------------------------------------------
+    def _quantize_block(self, i, layer, units, x_in, fp_out, imatrix):
+        cfg = self.cfg
+        weights = blocks.weights_of(layer)
+        consts, params = {}, {}
+        for u, s in units:
+            w = blocks.unit_weight(weights, u)
+            if _is_tunable(s):
+                wmin, wmax = weight_minmax(w, s.group_size)
+                c = {"wmin": wmin, "wmax": wmax}
+                if self._alg_ext_scale(s) or (cfg.iters == 0 and self._opt_rtn(s, u)):
+                    c["init_scale"] = search_scales(w, imatrix.get(u.name), bits=s.bits, group_size=s.group_size)
+                consts[u.name] = c
+                params[u.name] = init_params(w, s.group_size)
+        tune = cfg.iters > 0 and bool(params)
+        stats = (None, None, None)
+        if tune:
+            params, stats = self._tune(i, layer, units, weights, consts, params, x_in, fp_out)
+        out: dict[str, UnitResult] = {}
+        for u, s in units:
+            w = blocks.unit_weight(weights, u)
+            if s.is_mxfp8:
+                im = imatrix.get(u.name) if self._opt_rtn(s, u) else None
+                values, scale, _ = quantize_mxfp8(w, im)
+                out[u.name] = UnitResult(s, np.asarray(values), np.asarray(scale), w.shape[-1])
+                continue
+            p = clamp_minmax(params, self._alpha_max(s))[u.name]
+            _, scale, zp, q = _qdq(w, p, consts[u.name], s, cfg)
+            q = np.asarray(q, np.int32)
+            if zp is not None:  # auto-round's unsigned codes → compressed-tensors' signed ones (same q − zp)
+                q = q - (1 << (s.bits - 1))
+                zp = (np.asarray(zp, np.int32) - (1 << (s.bits - 1))).astype(np.int8)
+            out[u.name] = UnitResult(s, pack_int32(q, s.bits), np.asarray(scale, np.float32), w.shape[-1], zp,
+                                     cfg.scale_dtype)
+        return out, stats
+
+    def _alpha_max(self, s: Scheme) -> float:
+        return 2.0 if self._alg_ext_scale(s) else 1.0
+
+    def _alg_ext_scale(self, s: Scheme) -> bool:
+        return self.cfg.enable_alg_ext and self.cfg.iters > 0 and s.sym and _is_tunable(s)
+
+    def _opt_rtn(self, s: Scheme, u: blocks.Unit) -> bool:
+        """auto-round's optimized RTN (imatrix scale search) at iters = 0: on by default except for W8 int; off for
+        MoE experts unless asked (AUTOROUND.md §12) and for asymmetric int (min-max)."""
+        if self.cfg.iters != 0:
+            return False
+        disable = self.cfg.disable_opt_rtn
+        if disable is None:
+            disable = self.cfg.bits == 8 and self.cfg.data_type == "int"
+        if disable or u.experts:
+            return False
+        return s.is_mxfp8 or s.sym
+
+    def _needs_imatrix(self, units) -> bool:
+        return any(self._alg_ext_scale(s) or self._opt_rtn(s, u) for u, s in units)
+
+    def _imatrix(self, layer, fp_in, units) -> dict[str, jnp.ndarray]:
+        from .imatrix import collect
+
+        return collect(layer, fp_in, [u for u, _ in units], self._ctx, self.cfg.batch_size)
+
+    def _lr(self, s: Scheme) -> tuple[float, float]:
+        cfg = self.cfg
+        lr = cfg.lr if cfg.lr is not None else default_lr(cfg.iters, s.bits)
+        mlr = cfg.minmax_lr if cfg.minmax_lr is not None else lr
+        return lr, (mlr if cfg.enable_minmax_tuning else 0.0)
+
+    def _tune(self, i, layer, units, weights, consts, params, x_in, fp_out):
+        cfg = self.cfg
+        tun = [(u, s) for u, s in units if u.name in params]
+        fixed = {u.name: blocks.unit_weight(weights, u) for u, s in units}
+        lrs = {u.name: self._lr(s) for u, s in tun}
+        opt_state = _optimizer(tuple(sorted(lrs.items())), cfg.iters).init(params)
+        n, t = x_in.shape[:2]
+        sampler = IndexSampler(n, cfg.batch_size, cfg.seed)
+        bs = sampler.batch
+        ctx = self._ctx(bs)
+        mask = jnp.ones((bs, t, 1), jnp.float32).at[:, -1].set(0.0)  # auto-round masks each sample's last position
+        n_valid = float(bs * (t - 1))
+        filter_top = cfg.enable_alg_ext and cfg.bits < 4
+        graphdef, state = nnx.split(layer)
+        step = _make_step(graphdef, tuple(tun), tuple(units), filter_top, n_valid, cfg.scale_dtype,
+                          tuple(sorted((u.name, self._alpha_max(s)) for u, s in tun)), tuple(sorted(lrs.items())),
+                          cfg.iters)
+
+        best = jnp.asarray(jnp.inf, jnp.float32)
+        best_params = params
+        carry = (params, opt_state, best, best_params, jnp.asarray(0, jnp.int32), jnp.asarray(-1, jnp.int32))
+        bar = _bar(self.progress, cfg.iters, f"block {i + 1}/{len(self.layers)}")
+        losses = []
+        it = 0
+        while it < cfg.iters:
+            k = min(cfg.chunk, cfg.iters - it)
+            idx = jnp.asarray([sampler.next_batch() for _ in range(k)], jnp.int32)
+            carry, chunk_losses = step(carry, idx, state, weights, consts, fixed, x_in, fp_out, ctx, mask)
+            chunk_losses = np.asarray(chunk_losses)
+            losses.extend(chunk_losses.tolist())
+            it += k
+            if bar is not None:
+                bar.update(k)
+                bar.set_postfix(loss=f"{chunk_losses[-1]:.3e}", best=f"{float(carry[2]):.3e}")
+        if bar is not None:
+            bar.close()
+        params, _, best, best_params, _, best_iter = carry
+        final = params if cfg.not_use_best_mse else best_params
+        return final, (float(losses[0]), float(best), int(best_iter))
+
+    # -- results ------------------------------------------------------------------------------------------------------
+    def _apply_results(self, layer, i: int):
+        """A copy of ``layer`` whose quantized units hold their fake-quantized (dequantized) weights."""
+        from .assemble import dequantize_result
+
+        res = self.results.get(i, {})
+        units = blocks.layer_units(self.mcfg, self.mcfg.layer_types[i])
+        weights = blocks.weights_of(layer)
+        new = {u.name: dequantize_result(res[u.name], blocks.unit_weight(weights, u).dtype)
+               for u in units if u.name in res}
+        weights = blocks.replace_units(weights, units, new)
+        graphdef, state = nnx.split(layer)
+        flat = [(p, v.replace(weights[tuple(p)])) for p, v in nnx.to_flat_state(state)]
+        return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+    def _kv_scales(self, qlayer, h: jnp.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Static FP8 K/V scales: amax over the whole calibration stream / 448 (per tensor or per kv head)."""
+        per_head = self.cfg.static_kv_granularity == "head"
+        bs = self.cfg.batch_size
+        ks, vs = [], []
+        fn = jax.jit(lambda x, ctx: blocks.attention_kv(qlayer, x, ctx))
+        for s in range(0, h.shape[0], bs):
+            k, v = fn(h[s:s + bs], self._ctx(min(bs, h.shape[0] - s)))
+            ks.append(fp8_kv_scale(k, per_head=per_head))
+            vs.append(fp8_kv_scale(v, per_head=per_head))
+        # the largest per-batch scale = amax over all batches / 448
+        return np.asarray(jnp.max(jnp.stack(ks), 0)), np.asarray(jnp.max(jnp.stack(vs), 0))
+
+    def quantized_model(self):
+        from .assemble import build_quantized_model
+
+        return build_quantized_model(self)
+
+
+@functools.lru_cache(maxsize=16)
+def _forward_fn(graphdef):
+    return jax.jit(lambda st, x, ctx: nnx.merge(graphdef, st)(x, ctx, None)[0])
+
+
+def _optimizer(lrs: tuple, iters: int) -> optax.GradientTransformation:
+    """Sign-SGD over ``{unit: {v, alpha, beta}}``; ``lrs`` = ((unit, (lr_v, lr_minmax)), …)."""
+    skeleton = {name: {"v": 0, "alpha": 0, "beta": 0} for name, _ in lrs}
+    return make_optimizer(skeleton, iters=iters, lr_v={k: v[0] for k, v in lrs},
+                          lr_minmax={k: v[1] for k, v in lrs})
+
+
+@functools.lru_cache(maxsize=64)
+def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max, lrs, iters):
+    """The jitted ``chunk``-iteration tuning step of one block structure (cached: identical layers share it).
+
+    Carry: (params, opt_state, best loss, best params, iteration, best iteration); ``idxs [k, B]`` are the
+    minibatches. Each iteration clamps α/β, evaluates the loss on the clamped params (iteration 0 is RTN), keeps
+    them if best so far, and takes one sign-SGD step.
+    """
+    alpha_max = dict(alpha_max)
+    opt = _optimizer(lrs, iters)
+    tun_schemes = {u.name: s for u, s in tun}
+    qcfg = AutoRoundConfig(scale_dtype=scale_dtype)
+
+    def loss_fn(params, state, weights, consts, fixed, x, ref, ctx, mask):
+        new = {name: _qdq(fixed[name], params[name], consts[name], s, qcfg)[0] for name, s in tun_schemes.items()}
+        for u, s in units:  # MXFP8 units are RTN: their fake-quantized weight is part of the block
+            if u.name not in new:
+                new[u.name] = quantize_mxfp8(fixed[u.name])[2]
+        w = blocks.replace_units(weights, [u for u, _ in units], new)
+        out = blocks.layer_apply(graphdef, state, w, x, ctx)
+        d = out.astype(jnp.float32) * mask - ref.astype(jnp.float32) * mask
+        if filter_top:
+            # SignRoundV2: the 0.1 % largest |errors| of the batch are left out of the sum (not of the mean)
+            a = jnp.abs(d).reshape(-1)
+            kth = jax.lax.top_k(a, max(1, a.size // 1000))[0][-1]
+            d = jnp.where(jnp.abs(d) >= kth, 0.0, d)
+        return jnp.mean(d * d)
+
+    def one(carry, idx, state, weights, consts, fixed, x_in, fp_out, ctx, mask):
+        params, opt_state, best, best_params, it, best_it = carry
+        params = {k: _clamp(v, alpha_max[k]) for k, v in params.items()}
+        x, ref = x_in[idx], fp_out[idx]
+        # ×1000 before the gradient as auto-round does (keeps low-precision gradients off 0; sign is unchanged)
+        loss, g = jax.value_and_grad(
+            lambda p: 1000.0 * loss_fn(p, state, weights, consts, fixed, x, ref, ctx, mask))(params)
+        val = loss / 1000.0 / n_valid  # auto-round's logged value: MSE / number of valid tokens
+        better = val < best
+        best_params = jax.tree.map(lambda a, b: jnp.where(better, a, b), params, best_params)
+        best_it = jnp.where(better, it, best_it)
+        best = jnp.minimum(val, best)
+        updates, opt_state = opt.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return (params, opt_state, best, best_params, it + 1, best_it), val
+
+    @jax.jit
+    def step(carry, idxs, state, weights, consts, fixed, x_in, fp_out, ctx, mask):
+        return jax.lax.scan(lambda c, ix: one(c, ix, state, weights, consts, fixed, x_in, fp_out, ctx, mask),
+                            carry, idxs)
+
+    return step
+
+
+def _clamp(p: dict, alpha_max: float) -> dict:
+    return {**p, "alpha": jnp.clip(p["alpha"], 0.0, alpha_max), "beta": jnp.clip(p["beta"], 0.0, 1.0)}
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3e}"
+
+
+def _bar(enabled: bool, total: int, desc: str):
+    if not enabled or total == 0:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is a dependency; a stripped environment just loses the bar
+        return None
+    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def report_json(reports: list[BlockReport]) -> str:
+    return json.dumps([dataclasses.asdict(r) for r in reports], indent=2)

@@ -1,0 +1,107 @@
+"""Resumable runs: each finished block is saved (packed codes, scales, KV scales, its report) to a progress folder, so
+a killed run restarts from the last finished block with ``--resume``.
+
+The folder holds ``state.json`` (the run's fingerprint — model, data and every option — and the number of finished
+blocks) and one ``block_NNNN.npz`` per block, each written to a temporary name and renamed, so a kill mid-write
+leaves the previous state intact. On resume the two streams are recomputed through the finished blocks (forward
+passes only) instead of being stored: they are the largest thing a run holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+
+from .schemes import Scheme
+
+STATE = "state.json"
+
+
+class ResumeError(ValueError):
+    pass
+
+
+def _block_path(folder: str, i: int) -> str:
+    return os.path.join(folder, f"block_{i:04d}.npz")
+
+
+def _write_state(folder: str, fingerprint: dict, done: int) -> None:
+    tmp = os.path.join(folder, STATE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"fingerprint": fingerprint, "done": done}, f, indent=2, sort_keys=True)
+    os.replace(tmp, os.path.join(folder, STATE))
+
+
+def start(ar) -> None:
+    os.makedirs(ar.progress_dir, exist_ok=True)
+    for name in os.listdir(ar.progress_dir):
+        if name.startswith("block_") or name == STATE:
+            os.remove(os.path.join(ar.progress_dir, name))
+    _write_state(ar.progress_dir, ar.fingerprint, 0)
+
+
+def save_block(ar, i: int) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    meta: dict = {"units": {}, "report": dataclasses.asdict(ar.reports[-1]) if ar.reports else None}
+    for name, r in ar.results[i].items():
+        packed = np.asarray(r.packed)
+        is_f8 = packed.dtype == ml_dtypes.float8_e4m3fn
+        arrays[f"{name}/packed"] = packed.view(np.uint8) if is_f8 else packed
+        arrays[f"{name}/scale"] = np.asarray(r.scale)
+        if r.zp is not None:
+            arrays[f"{name}/zp"] = np.asarray(r.zp)
+        meta["units"][name] = {"scheme": dataclasses.asdict(r.scheme), "in_features": r.in_features,
+                               "scale_dtype": r.scale_dtype, "float8": is_f8}
+    if i in ar.kv_scales:
+        arrays["kv/k_scale"], arrays["kv/v_scale"] = ar.kv_scales[i]
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    path = _block_path(ar.progress_dir, i)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+    _write_state(ar.progress_dir, ar.fingerprint, i + 1)
+
+
+def load(ar) -> int:
+    """Restore the finished blocks into ``ar``; returns how many there are."""
+    from .driver import BlockReport, UnitResult
+
+    folder = ar.progress_dir
+    state_path = os.path.join(folder or "", STATE)
+    if not folder or not os.path.isfile(state_path):
+        raise ResumeError(f"--resume: no saved progress in {folder} (start the run without --resume)")
+    with open(state_path, encoding="utf-8") as f:
+        state = json.load(f)
+    saved = state.get("fingerprint", {})
+    if saved != ar.fingerprint:
+        diff = sorted(k for k in set(saved) | set(ar.fingerprint) if saved.get(k) != ar.fingerprint.get(k))
+        raise ResumeError(f"--resume: {folder} was made by a different run (differs in: {', '.join(diff)}); "
+                          "rerun with the same options or without --resume")
+    done = int(state["done"])
+    for i in range(done):
+        with np.load(_block_path(folder, i)) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            res = {}
+            for name, m in meta["units"].items():
+                packed = z[f"{name}/packed"]
+                if m["float8"]:
+                    packed = packed.view(ml_dtypes.float8_e4m3fn)
+                res[name] = UnitResult(Scheme(**m["scheme"]), packed, z[f"{name}/scale"], m["in_features"],
+                                       z[f"{name}/zp"] if f"{name}/zp" in z else None, m["scale_dtype"])
+            ar.results[i] = res
+            if "kv/k_scale" in z:
+                ar.kv_scales[i] = (z["kv/k_scale"], z["kv/v_scale"])
+            if meta["report"] is not None:
+                ar.reports.append(BlockReport(**meta["report"]))
+    return done
+
+
+def finish(folder: str) -> None:
+    """Remove the progress folder after the checkpoint is written."""
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)

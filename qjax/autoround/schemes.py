@@ -1,0 +1,208 @@
+"""Which scheme each linear layer gets: the global ``--bits/--group_size/--sym`` plus ``--layer_config`` regexes.
+
+Names are transformers' text-model names (``model.layers.3.self_attn.q_proj``, experts unfused as
+``model.layers.0.mlp.experts.5.gate_proj``) because that is what auto-round users write patterns against.
+Matching follows auto-round 0.16.1 (AUTOROUND.md §16.3): exact name first, otherwise the pattern is turned into a
+standard regex and ``re.search``-ed; patterns apply in dict order, so a later one overwrites an earlier one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from typing import Any
+
+logger = logging.getLogger("qjax.autoround")
+
+SUPPORTED_BITS = (2, 4, 8)
+_FIELDS = ("bits", "group_size", "sym", "data_type")
+_META = (".*", "^", "$", "|", "(", ")", "[", "]", "?", "+")
+
+
+class LayerConfigError(ValueError):
+    """A ``layer_config`` / scheme option qjax cannot honour (the message names the pattern and the field)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """One layer's weight scheme. ``bits >= 16`` means "left in the model dtype"."""
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    data_type: str = "int"  # "int" | "mx_fp" (MXFP8: E4M3 values, E8M0 scales, group 32)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+    @property
+    def is_mxfp8(self) -> bool:
+        return self.data_type == "mx_fp"
+
+    def describe(self) -> str:
+        if not self.quantized:
+            return "unquantized"
+        if self.is_mxfp8:
+            return "mxfp8"
+        return f"int{self.bits} g{self.group_size} {'sym' if self.sym else 'asym'}"
+
+
+def check_scheme(s: Scheme, where: str) -> None:
+    if not s.quantized:
+        return
+    if s.data_type == "mx_fp":
+        if s.bits != 8 or s.group_size != 32:
+            raise LayerConfigError(f"{where}: MXFP is supported as MXFP8 (bits 8, group_size 32), got bits {s.bits}, "
+                                   f"group_size {s.group_size}")
+        return
+    if s.data_type != "int":
+        raise LayerConfigError(f"{where}: data_type {s.data_type!r} is not supported (int or mx_fp)")
+    if s.bits not in SUPPORTED_BITS:
+        raise LayerConfigError(f"{where}: bits {s.bits} is not supported (int {SUPPORTED_BITS} or 16 = unquantized); "
+                               "3-bit packing has no compressed-tensors / vLLM kernel")
+    if s.group_size != -1 and s.group_size <= 0:
+        raise LayerConfigError(f"{where}: group_size {s.group_size} is not supported (a positive size or -1 for per "
+                               "channel)")
+
+
+def parse_layer_config(arg: str | dict | None) -> dict[str, dict[str, Any]]:
+    """``--layer_config`` text (strict JSON or auto-round's unquoted form ``{.*experts.*:{bits:2,group_size:64}}``)
+    → ``{pattern: {field: value}}``."""
+    if arg is None or arg == "":
+        return {}
+    if isinstance(arg, dict):
+        d = arg
+    else:
+        try:
+            d = json.loads(arg)
+        except json.JSONDecodeError:
+            d = _parse_loose(arg)
+    if not isinstance(d, dict):
+        raise LayerConfigError(f"--layer_config must be a mapping of pattern -> options, got {arg!r}")
+    out: dict[str, dict[str, Any]] = {}
+    for pat, opts in d.items():
+        if isinstance(opts, str):  # {"pattern": "W2A16"}-style preset names are auto-round schemes
+            opts = {"scheme": opts}
+        if not isinstance(opts, dict):
+            raise LayerConfigError(f"--layer_config[{pat!r}]: expected a mapping of options, got {opts!r}")
+        opts = dict(opts)
+        if "scheme" in opts:
+            opts = {**_preset(opts.pop("scheme"), f"--layer_config[{pat!r}]"), **opts}
+        bad = sorted(set(opts) - set(_FIELDS) - {"scale_dtype"})
+        if bad:
+            raise LayerConfigError(f"--layer_config[{pat!r}]: unsupported option(s) {bad} (supported: {list(_FIELDS)})")
+        out[str(pat)] = opts
+    return out
+
+
+def _preset(name: str, where: str) -> dict[str, Any]:
+    presets = {"W2A16": dict(bits=2, group_size=128, sym=True), "W2A16G64": dict(bits=2, group_size=64, sym=True),
+               "W2A16G32": dict(bits=2, group_size=32, sym=True), "W4A16": dict(bits=4, group_size=128, sym=True),
+               "W8A16": dict(bits=8, group_size=128, sym=True), "MXFP8": dict(bits=8, group_size=32, data_type="mx_fp"),
+               "BF16": dict(bits=16), "FP16": dict(bits=16)}
+    if str(name).upper() not in presets:
+        raise LayerConfigError(f"{where}: unknown scheme {name!r} (known: {sorted(presets)})")
+    return dict(presets[str(name).upper()])
+
+
+def _parse_loose(text: str) -> dict:
+    """auto-round's tolerant form: unquoted keys and values split on ``{ } : ,``."""
+    tokens = [t for t in re.split(r"([{}:,])", text) if t.strip()]
+    pos = 0
+
+    def scalar(tok: str):
+        tok = tok.strip().strip("'\"")
+        if re.fullmatch(r"-?\d+", tok):
+            return int(tok)
+        low = tok.lower()
+        return {"true": True, "false": False, "null": None, "none": None}.get(low, tok)
+
+    def value():
+        nonlocal pos
+        if tokens[pos] == "{":
+            pos += 1
+            d = {}
+            while tokens[pos] != "}":
+                k = scalar(tokens[pos])
+                if tokens[pos + 1] != ":":
+                    raise LayerConfigError(f"--layer_config: expected ':' after {k!r} in {text!r}")
+                pos += 2
+                d[k] = value()
+                if tokens[pos] == ",":
+                    pos += 1
+            pos += 1
+            return d
+        tok = tokens[pos]
+        pos += 1
+        return scalar(tok)
+
+    try:
+        return value()
+    except IndexError:
+        raise LayerConfigError(f"--layer_config: cannot parse {text!r}") from None
+
+
+def standard_regex(pattern: str) -> str:
+    """auto-round's ``to_standard_regex``: literal names match as substrings, bare dots are escaped."""
+    if not any(tok in pattern for tok in _META):
+        return f".*{re.escape(pattern)}.*"
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith(".*", i):
+            out.append(".*")
+            i += 2
+            continue
+        out.append("\\." if pattern[i] == "." else pattern[i])
+        i += 1
+    regex = "".join(out)
+    if not regex.startswith(("^", ".*")):
+        regex = ".*" + regex
+    if not regex.endswith(("$", ".*")):
+        regex += ".*"
+    return regex
+
+
+def resolve(names: dict[str, tuple[int, int]], base: Scheme, layer_config: dict[str, dict[str, Any]]) -> dict[str, Scheme]:
+    """Scheme per module name.
+
+    Args:
+      names: every quantizable linear → (out_features, in_features).
+      base: the global scheme.
+      layer_config: parsed ``--layer_config`` (dict order = precedence, later wins).
+    Returns:
+      module name → Scheme (``bits >= 16``: left unquantized, by request or because its shape does not fit).
+    Warns for a pattern that matches nothing.
+    """
+    check_scheme(base, "global scheme")
+    compiled = []
+    for pat, opts in layer_config.items():
+        try:
+            compiled.append((pat, re.compile(standard_regex(pat)), opts))
+        except re.error as e:
+            raise LayerConfigError(f"--layer_config pattern {pat!r} is not a valid regex: {e}") from None
+    hits = {pat: 0 for pat in layer_config}
+    out: dict[str, Scheme] = {}
+    for name, (n_out, n_in) in names.items():
+        s = base
+        for pat, rx, opts in compiled:
+            if name == pat or rx.search(name):
+                hits[pat] += 1
+                s = dataclasses.replace(s, **{k: v for k, v in opts.items() if k in _FIELDS})
+        check_scheme(s, f"{name} (from --layer_config)")
+        if s.quantized and not s.is_mxfp8 and (n_out % 32 or n_in % 32):
+            # auto-round's rule for INT weight-only schemes: such layers stay in the model dtype
+            logger.info("%s [%d, %d]: not divisible by 32, left unquantized (as auto-round does)", name, n_out, n_in)
+            s = dataclasses.replace(s, bits=16)
+        gs = 32 if s.is_mxfp8 else s.group_size
+        if s.quantized and gs > 0 and n_in % gs:
+            # auto-round pads the last group; compressed-tensors and vLLM cannot store a partial group
+            logger.warning("%s: in_features %d is not a multiple of group_size %d, left unquantized", name, n_in, gs)
+            s = dataclasses.replace(s, bits=16)
+        out[name] = s
+    for pat, n in hits.items():
+        if n == 0:
+            logger.warning("--layer_config pattern %r matches no quantizable layer", pat)
+    return out

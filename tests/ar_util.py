@@ -1,0 +1,74 @@
+"""auto-round (PyTorch) as the oracle for qjax.autoround: a tiny bf16 qwen3_5_moe folder with a word-level tokenizer,
+calibration text, and auto-round runs on it (used by the tests and by tests/fixtures/make_autoround_rtn.py)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hf_util import make_hf_model, save_hf, tiny_text_config
+
+WORDS = [f"w{i}" for i in range(500)]
+# auto-round's recipe for the RTN comparison: W4A16 g32 with 2-bit g32 experts (group 32 divides every tiny dim)
+RTN_RECIPE = dict(bits=4, group_size=32, layer_config={".*experts.*": {"bits": 2, "group_size": 32}})
+NSAMPLES, SEQLEN, BATCH = 8, 64, 4
+
+
+def write_tokenizer(folder: str | Path) -> None:
+    """A word-level tokenizer over ``WORDS`` (ids 0..499) saved as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    vocab["[UNK]"], vocab["<|endoftext|>"] = 500, 501
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", unk_token="[UNK]").save_pretrained(
+        str(folder))
+
+
+def write_base(folder: str | Path, seed: int = 0) -> str:
+    """The tiny config, seeded, in bf16 (auto-round's working dtype), with its tokenizer."""
+    model = make_hf_model(tiny_text_config(), seed=seed).to(torch.bfloat16)
+    save_hf(model, folder)
+    write_tokenizer(folder)
+    return str(folder)
+
+
+def write_calibration(path: str | Path, n: int = NSAMPLES, words: int = SEQLEN + 16, seed: int = 0) -> str:
+    """A JSON list of ``n`` random-word documents, each longer than SEQLEN tokens (auto-round's local-file form:
+    in-memory lists crash auto-round on the hybrid model, AUTOROUND.md)."""
+    r = random.Random(seed)
+    docs = [" ".join(r.choice(WORDS) for _ in range(words)) for _ in range(n)]
+    Path(path).write_text(json.dumps(docs))
+    return str(path)
+
+
+def run_auto_round(base: str, calib: str, out: str, *, bits: int, group_size: int, layer_config: dict,
+                   iters: int = 0, fmt: str = "llm_compressor", **kw) -> str:
+    """Run auto-round 0.16.1 itself; returns the folder it wrote."""
+    from auto_round import AutoRound
+
+    torch.manual_seed(0)
+    ar = AutoRound(base, scheme=f"W{bits}A16", bits=bits, group_size=group_size, iters=iters, nsamples=NSAMPLES,
+                   seqlen=SEQLEN, batch_size=BATCH, dataset=calib, layer_config=layer_config, **kw)
+    ar.quantize_and_save(out, format=fmt)
+    found = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(out, "**", "config.json"), recursive=True)})
+    assert found, f"auto-round wrote no config.json under {out}"
+    return found[0]
+
+
+def read_tensors(folder: str) -> dict[str, np.ndarray]:
+    from qjax.safetensors_io import SafetensorsFile
+
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with SafetensorsFile(f) as st:
+            out.update({k: np.array(st.get(k)) for k in st.keys()})
+    return out

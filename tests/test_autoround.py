@@ -1,0 +1,197 @@
+"""qjax.autoround against auto-round 0.16.1 itself, and the driver's own guarantees (losses, resume, bad input)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qjax
+from ar_util import NSAMPLES, RTN_RECIPE, SEQLEN, read_tensors, run_auto_round, write_base, write_calibration
+from qjax.autoround import blocks
+from qjax.autoround.data import CalibrationError, calibration_ids, load_tokenizer
+from qjax.autoround.driver import AutoRound, AutoRoundConfig
+from qjax.autoround.progress import ResumeError
+from qjax.autoround.schemes import LayerConfigError, parse_layer_config
+from qjax.convert import save_pretrained
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "autoround_rtn")
+QUANT_FIELDS = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ar-base")
+    return write_base(tmp / "base"), write_calibration(tmp / "calib.json")
+
+
+@pytest.fixture(scope="module")
+def calib(base):
+    folder, path = base
+    return calibration_ids(path, load_tokenizer(folder), nsamples=NSAMPLES, seqlen=SEQLEN)
+
+
+def _config(**kw) -> AutoRoundConfig:
+    d = dict(RTN_RECIPE, nsamples=NSAMPLES, seqlen=SEQLEN, batch_size=4)
+    d.update(kw)
+    return AutoRoundConfig(**d)
+
+
+def _auto_round_rtn(base, tmp_path):
+    """auto-round's own RTN output: run live when auto-round is installed, else the committed fixture."""
+    try:
+        import auto_round  # noqa: F401
+    except ImportError:
+        from qjax.safetensors_io import SafetensorsFile
+
+        with SafetensorsFile(os.path.join(FIXTURE, "quantized.safetensors")) as st:
+            tensors = {k: np.array(st.get(k)) for k in st.keys()}
+        qc = json.load(open(os.path.join(FIXTURE, "quantization_config.json")))
+        return tensors, qc, "fixture"
+    folder = run_auto_round(base[0], base[1], str(tmp_path / "ar"), disable_opt_rtn=True, **RTN_RECIPE)
+    tensors = {k: v for k, v in read_tensors(folder).items() if k.endswith(QUANT_FIELDS)}
+    qc = json.load(open(os.path.join(folder, "config.json")))["quantization_config"]
+    return tensors, qc, "live"
+
+
+def _targets(qc) -> dict[tuple, set]:
+    out: dict[tuple, set] = {}
+    for g in qc["config_groups"].values():
+        w = g["weights"]
+        out.setdefault((w["num_bits"], w["group_size"], w["symmetric"]), set()).update(g["targets"])
+    return out
+
+
+def test_rtn_matches_auto_round_bit_for_bit(base, calib, tmp_path):
+    """iters = 0, optimized RTN off: every packed word, scale and shape equals auto-round's llm_compressor export,
+    and the same modules are quantized with the same bits and groups."""
+    ref, ref_qc, source = _auto_round_rtn(base, tmp_path)
+    model = qjax.load_model(base[0])
+    ar = AutoRound(model, calib, _config(iters=0, disable_opt_rtn=True), progress=False)
+    ar.run()
+    out = save_pretrained(ar.quantized_model(), tmp_path / "qjax")
+    got = {k: v for k, v in read_tensors(out).items() if k.endswith(QUANT_FIELDS)}
+    assert sorted(got) == sorted(ref), source
+    bad = [k for k in ref if got[k].dtype != ref[k].dtype or not np.array_equal(got[k], ref[k])]
+    assert not bad, f"{len(bad)} of {len(ref)} tensors differ from auto-round ({source}): {bad[:5]}"
+    qc = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
+    assert _targets(qc) == _targets(ref_qc)
+
+
+def test_committed_fixture_is_current(base, tmp_path):
+    """The fallback fixture is what auto-round writes today (regenerate with tests/fixtures/make_autoround_rtn.py)."""
+    pytest.importorskip("auto_round")
+    from qjax.safetensors_io import SafetensorsFile
+
+    live, _, _ = _auto_round_rtn(base, tmp_path)
+    with SafetensorsFile(os.path.join(FIXTURE, "quantized.safetensors")) as st:
+        committed = {k: np.array(st.get(k)) for k in st.keys()}
+    assert sorted(live) == sorted(committed)
+    assert all(np.array_equal(live[k], committed[k]) for k in live)
+
+
+@pytest.fixture(scope="module")
+def tuned(base, calib):
+    model = qjax.load_model(base[0], dtype=jnp.float32)
+    ar = AutoRound(model, calib, _config(iters=24, seed=7), progress=False)
+    ar.run()
+    return model, ar
+
+
+def test_tuning_never_worse_than_rtn(tuned):
+    """Best-so-far includes iteration 0 (RTN), so it is never above it; sign-SGD must actually improve every block."""
+    _, ar = tuned
+    assert len(ar.reports) == 4
+    for r in ar.reports:
+        assert r.best_loss <= r.init_loss, r
+        assert r.best_loss < 0.95 * r.init_loss, f"block {r.index}: tuning did not lower the loss: {r}"
+
+
+def test_packed_model_equals_fake_quant(tuned, calib):
+    """The packed model computes what the tuner's fake-quantized layers compute (fp32; the only difference is the
+    fp16 rounding of s·q that compressed-tensors' decompression also applies: 1e-4)."""
+    model, ar = tuned
+    qmodel = ar.quantized_model()
+    ids = jnp.asarray(calib[:2])
+    h = model.embed(ids)
+    ctx = ar._ctx(2)
+    for i, layer in enumerate(ar.layers):
+        h = blocks.layer_apply(*_split(ar._apply_results(layer, i)), blocks.weights_of(ar._apply_results(layer, i)),
+                               h, ctx)
+    fake = model.logits_from_hidden(model.norm(h))
+    np.testing.assert_allclose(np.asarray(qmodel(ids)), np.asarray(fake), atol=1e-4, rtol=0)
+
+
+def _split(layer):
+    from flax import nnx
+
+    return nnx.split(layer)
+
+
+def test_resume_after_kill_gives_the_same_result(base, calib, tmp_path):
+    """A run killed after block 1 resumes from block 2 and ends with exactly the uninterrupted result."""
+    cfg = _config(iters=6)
+    pdir = str(tmp_path / "progress")
+    model = qjax.load_model(base[0], dtype=jnp.float32)
+
+    def kill(report):
+        if report.index == 1:
+            raise KeyboardInterrupt
+
+    fp = {"run": "a"}
+    with pytest.raises(KeyboardInterrupt):
+        AutoRound(model, calib, cfg, progress=False, progress_dir=pdir, fingerprint=fp, on_block=kill).run()
+    assert json.load(open(os.path.join(pdir, "state.json")))["done"] == 2
+    seen = []
+    resumed = AutoRound(model, calib, cfg, progress=False, progress_dir=pdir, fingerprint=fp, resume=True,
+                        on_block=lambda r: seen.append(r.index))
+    resumed.run()
+    assert seen == [2, 3]
+    whole = AutoRound(model, calib, cfg, progress=False)
+    whole.run()
+    for i in range(4):
+        for name, r in whole.results[i].items():
+            assert np.array_equal(r.packed, resumed.results[i][name].packed), (i, name)
+            assert np.array_equal(r.scale, resumed.results[i][name].scale), (i, name)
+    with pytest.raises(ResumeError, match="different run"):
+        AutoRound(model, calib, cfg, progress=False, progress_dir=pdir, fingerprint={"run": "b"}, resume=True).run()
+
+
+def test_layer_config_parsing_and_bad_input(base, calib, caplog):
+    assert parse_layer_config("{.*experts.*:{bits:2,group_size:64}}") == {".*experts.*": {"bits": 2, "group_size": 64}}
+    assert parse_layer_config('{"mlp.shared_expert": {"bits": 8}}') == {"mlp.shared_expert": {"bits": 8}}
+    model = qjax.load_model(base[0])
+    with caplog.at_level(logging.WARNING, logger="qjax.autoround"):
+        AutoRound(model, calib, _config(iters=0, layer_config={"nothing_like_this": {"bits": 2}}), progress=False)
+    assert "matches no quantizable layer" in caplog.text
+    with pytest.raises(LayerConfigError, match="bits 3"):
+        AutoRound(model, calib, _config(iters=0, bits=3), progress=False)
+    with pytest.raises(LayerConfigError, match="unsupported option"):
+        parse_layer_config('{"q_proj": {"bitz": 2}}')
+    with pytest.raises(ValueError, match="experts of model.layers.0.mlp.experts different schemes"):
+        AutoRound(model, calib, _config(iters=0, layer_config={"layers.0.mlp.experts.3.": {"bits": 8}}),
+                  progress=False).run()
+
+
+def test_calibration_data(base, tmp_path):
+    folder, _ = base
+    tok = load_tokenizer(folder)
+    short = tmp_path / "short.txt"
+    short.write_text("w1 w2 w3\n\nw4 w5")
+    with pytest.raises(CalibrationError, match="7 tokens in all, fewer than one sample of seqlen 64"):
+        calibration_ids(str(short), tok, nsamples=4, seqlen=64)
+    # documents shorter than seqlen are packed (auto-round's concat mode) rather than dropped
+    packed = calibration_ids(str(short), tok, nsamples=4, seqlen=3)
+    assert packed.shape == (2, 3)
+    jl = tmp_path / "ids.jsonl"
+    jl.write_text("\n".join(json.dumps({"input_ids": list(range(i, i + 10))}) for i in range(5)))
+    ids = calibration_ids(str(jl), None, nsamples=3, seqlen=8)
+    assert ids.shape == (3, 8)
+    with pytest.raises(CalibrationError, match="outside the model's vocabulary"):
+        calibration_ids(str(jl), None, nsamples=3, seqlen=8, vocab_size=5)
+    with pytest.raises(CalibrationError, match="no such file"):
+        calibration_ids(str(tmp_path / "missing.txt"), tok, nsamples=1, seqlen=8)
