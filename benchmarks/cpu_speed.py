@@ -377,13 +377,13 @@ def markdown(rows: list[Row], meta: dict, with_default: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(text: str, path: str = RESULTS) -> None:
-    """Replace the section headed ``SECTION`` (up to the next ``## `` heading) or append it; keep everything else."""
+def write_section(text: str, path: str = RESULTS, section: str = SECTION) -> None:
+    """Replace the section headed ``section`` (up to the next ``## `` heading) or append it; keep everything else."""
     old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
     if not old.strip():
         new = "# Benchmark results\n\n" + text
     else:
-        pat = re.compile(r"^" + re.escape(SECTION) + r"[ \t]*\n.*?(?=^## |\Z)", re.M | re.S)
+        pat = re.compile(r"^" + re.escape(section) + r"[ \t]*\n.*?(?=^## |\Z)", re.M | re.S)
         if pat.search(old):
             new = pat.sub(lambda _: text + "\n", old, count=1).rstrip("\n") + "\n"
         else:

@@ -3,6 +3,7 @@
     qjax demo                         random tiny model → HF folder → load → generate (no download)
     qjax generate --model DIR PROMPT  generate from a checkpoint folder (text with its tokenizer.json, or --ids)
     qjax inspect PATH | --config C --recipe R   sizes and predicted device memory
+    qjax quantize --model DIR --dataset FILE --output_dir OUT [auto-round flags]   AutoRound → compressed-tensors
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ def cmd_generate(a) -> int:
 
     import qjax
 
+    from qjax.autoround.api import _default_model_dir
+
+    a.model = a.model or _default_model_dir()
     model = qjax.load_model(a.model, dtype=jnp.dtype(a.dtype) if a.dtype else None)
     tok_path = os.path.join(a.model, "tokenizer.json")
     tokenizer = None
@@ -139,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(d)
     d.set_defaults(func=cmd_demo)
     g = sub.add_parser("generate", help="generate from a HF checkpoint folder")
-    g.add_argument("--model", required=True, help="checkpoint folder (config.json + safetensors)")
+    g.add_argument("--model", default=None,
+                   help="checkpoint folder (config.json + safetensors; default: the built-in model)")
     g.add_argument("--ids", default=None, help="prompt as token ids ('1 2 3') instead of text")
     g.add_argument("prompt", nargs="?", default=None)
     _sampling_args(g)
@@ -152,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "kv=fp8' or a JSON file with a quantization_config")
     i.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     i.set_defaults(func=cmd_inspect)
+    q = sub.add_parser("quantize", help="AutoRound (SignRound) quantization with auto-round's flags and defaults")
+    from qjax.autoround.api import add_arguments, cli as quantize_cli
+    add_arguments(q)
+    q.set_defaults(func=quantize_cli)
     return p
 
 
@@ -159,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileExistsError, FileNotFoundError) as e:  # ConfigError/LoadError/SafetensorsError
+    except (ValueError, FileExistsError, FileNotFoundError) as e:  # ConfigError/LoadError/SafetensorsError/ResumeError
         print(f"error: {e}", file=sys.stderr)
         return 2
 

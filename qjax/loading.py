@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from .config import TextConfig
+from .loading_autoround import open_autoround
 from .loading_quant import plan_quantization
 from .quant.config import QuantizationConfig
 from .quant.packing import unpack_zero_point
@@ -272,7 +273,8 @@ def _default_dtype_from(embed_dtype: str | None, cfg: TextConfig):
 
 
 def load_model(path: str | os.PathLike, *, dtype=None) -> Qwen3_5MoeForCausalLM:
-    """Load a HF ``qwen3_5_moe`` / ``qwen3_5_moe_text`` checkpoint folder.
+    """Load a HF ``qwen3_5_moe`` / ``qwen3_5_moe_text`` checkpoint folder (dense, compressed-tensors, or auto-round
+    ``quant_method: "auto-round"`` INT packing, converted to compressed-tensors' layout at load).
 
     Args:
       path: folder with ``config.json`` and ``model.safetensors`` or sharded files + ``model.safetensors.index.json``.
@@ -283,10 +285,15 @@ def load_model(path: str | os.PathLike, *, dtype=None) -> Qwen3_5MoeForCausalLM:
     """
     path = os.fspath(path)
     cfg = TextConfig.from_file(path)
-    qc = QuantizationConfig.from_config_json(os.path.join(path, "config.json"))
     ckpt = Checkpoint(path)
     try:
-        model = _load(cfg, qc, ckpt, dtype)
+        # auto-round folders (quant_method "auto-round", GPTQ/AWQ packing) are read through a compressed-tensors view
+        autoround = open_autoround(path, ckpt)
+        if autoround is not None:
+            qc, view = autoround
+        else:
+            qc, view = QuantizationConfig.from_config_json(os.path.join(path, "config.json")), ckpt
+        model = _load(cfg, qc, view, dtype)
     finally:
         ckpt.close()
     model.generation_config = GenerationConfig.from_folder(path)

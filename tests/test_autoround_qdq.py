@@ -11,6 +11,8 @@ Exactness policy, per output:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -47,7 +49,10 @@ def _tuning(rng: np.random.Generator, w: np.ndarray, gs: int) -> tuple[np.ndarra
 
 
 def _f32(x) -> np.ndarray:
-    return np.asarray(jnp.asarray(x).astype(jnp.float32)) if not isinstance(x, torch.Tensor) else x.detach().float().numpy()
+    """A JAX/numpy array or a torch tensor as float32 numpy."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().float().numpy()
+    return np.asarray(jnp.asarray(x).astype(jnp.float32))
 
 
 def _autoround_int(fn, w: np.ndarray, v, alpha, beta, *, bits, gs, dtype, init_scale=None, weight_r=None):
@@ -71,11 +76,21 @@ def _autoround_int(fn, w: np.ndarray, v, alpha, beta, *, bits, gs, dtype, init_s
     return out, grads
 
 
-# Module-level jit wrappers share their compilation cache across tests. The forward sweep runs eagerly instead:
-# op-by-op executables are cached by shape, so 48 (dtype, bits, group size, sym/asym) variants compile far less.
+# Module-level jit wrappers share their compilation cache across tests (compiling dominates these tests' time).
 _search = jax.jit(qdq.search_scales, static_argnames=("bits", "group_size", "handle_zero", "scale_thresh"))
 _opt_rtn = jax.jit(qdq.opt_rtn_int_sym, static_argnames=("bits", "group_size", "scale_thresh"))
 _mx = jax.jit(qdq.quantize_mxfp8)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "scale_dtype"))
+def _sym_and_asym(w, v, alpha, beta, *, bits, group_size, scale_dtype=jnp.float16, init_scale=None):
+    """qdq_int_sym and qdq_int_asym in one compilation (the forward sweep has 24 configurations)."""
+    wmin, wmax = qdq.weight_minmax(w, group_size)
+    kw = dict(bits=bits, group_size=group_size, scale_dtype=scale_dtype)
+    return (
+        qdq.qdq_int_sym(w, v, alpha, beta, wmin, wmax, init_scale=init_scale, **kw),
+        qdq.qdq_int_asym(w, v, alpha, beta, wmin, wmax, **kw),
+    )
 
 
 def _random_init_scale(rng: np.random.Generator, w: np.ndarray, gs: int, bits: int) -> np.ndarray:
@@ -138,10 +153,10 @@ def test_qdq_int_forward_bit_identical(dtype: str, bits: int):
         w = _weight(rng, shape, dtype)
         v, alpha, beta = _tuning(rng, w, gs)
         wj = jnp.asarray(w)
-        wmin, wmax = qdq.weight_minmax(wj, gs)
-
-        w_dq, scale, q = qdq.qdq_int_sym(wj, v, alpha, beta, wmin, wmax, bits=bits, group_size=gs)
-        (ref, ref_scale, _), _ = _autoround_int(ar_int.quant_tensor_sym, w, v, alpha, beta, bits=bits, gs=gs, dtype=dtype)
+        (w_dq, scale, q), asym_out = _sym_and_asym(wj, v, alpha, beta, bits=bits, group_size=gs)
+        (ref, ref_scale, _), _ = _autoround_int(
+            ar_int.quant_tensor_sym, w, v, alpha, beta, bits=bits, gs=gs, dtype=dtype
+        )
         assert w_dq.dtype == wj.dtype and w_dq.shape == w.shape and scale.shape == alpha.shape
         np.testing.assert_array_equal(_f32(w_dq), _f32(ref))
         np.testing.assert_array_equal(np.asarray(scale).reshape(-1), _f32(ref_scale).reshape(-1))
@@ -151,7 +166,7 @@ def test_qdq_int_forward_bit_identical(dtype: str, bits: int):
         np.testing.assert_array_equal(deq.astype(_NP[dtype]).astype(np.float32), _f32(ref).reshape(v.shape))
         assert np.any(np.asarray(scale) < 0) and np.any(np.asarray(scale) > 0)  # signed scales, both sides dominate
 
-        w_dq, scale, zp, q = qdq.qdq_int_asym(wj, v, alpha, beta, wmin, wmax, bits=bits, group_size=gs)
+        w_dq, scale, zp, q = asym_out
         (ref, ref_scale, ref_zp), _ = _autoround_int(
             ar_int.quant_tensor_asym, w, v, alpha, beta, bits=bits, gs=gs, dtype=dtype
         )
@@ -173,8 +188,7 @@ def test_qdq_int_sym_init_scale_bit_identical():
     alpha = alpha * 2 - 0.5  # alg_ext lets alpha roam [0, 2]
     wj = jnp.asarray(w)
     s0 = _random_init_scale(rng, w, 64, 2)
-    wmin, wmax = qdq.weight_minmax(wj, 64)
-    w_dq, scale, _ = qdq.qdq_int_sym(wj, v, alpha, beta, wmin, wmax, bits=2, group_size=64, init_scale=s0)
+    (w_dq, scale, _), _ = _sym_and_asym(wj, v, alpha, beta, bits=2, group_size=64, init_scale=s0)
     (ref, ref_scale, _), _ = _autoround_int(
         ar_int.quant_tensor_sym, w, v, alpha, beta, bits=2, gs=64, dtype="bf16", init_scale=s0
     )
@@ -189,9 +203,8 @@ def test_scale_floor_and_fp32_scale_dtype():
     v, alpha, beta = _tuning(rng, w, 32)
     alpha[0], beta[0] = 0.0, 0.0
     wj = jnp.asarray(w)
-    wmin, wmax = qdq.weight_minmax(wj, 32)
     for sd, tdt in ((jnp.float16, torch.float16), (jnp.float32, torch.float32)):
-        w_dq, scale, _ = qdq.qdq_int_sym(wj, v, alpha, beta, wmin, wmax, bits=4, group_size=32, scale_dtype=sd)
+        (w_dq, scale, _), _ = _sym_and_asym(wj, v, alpha, beta, bits=4, group_size=32, scale_dtype=sd)
         _, size = qdq.group_shape(w.shape, 32)
         wr = torch.from_numpy(w).reshape(-1, size)
         ref = ar_int.quant_tensor_sym(
@@ -304,7 +317,9 @@ def test_opt_rtn_int_sym_matches_autoround(bits: int):
     imatrix[200] = 0.0  # group 6: 1 zero -> group mean
     w_dq, scale, q = _opt_rtn(jnp.asarray(w), jnp.asarray(imatrix), bits=bits, group_size=gs)
     wt = torch.from_numpy(w.astype(np.float32)).to(torch.bfloat16)
-    ref_dq, ref_scale, _ = ar_int.quant_tensor_opt_rtn_sym(wt, bits=bits, group_size=gs, imatrix=torch.from_numpy(imatrix))
+    ref_dq, ref_scale, _ = ar_int.quant_tensor_opt_rtn_sym(
+        wt, bits=bits, group_size=gs, imatrix=torch.from_numpy(imatrix)
+    )
     np.testing.assert_array_equal(np.asarray(scale).reshape(-1), _f32(ref_scale).reshape(-1))
     np.testing.assert_array_equal(_f32(w_dq), _f32(ref_dq))
     nmax = 2 ** (bits - 1)

@@ -86,7 +86,8 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
     else:
         from qjax.convert.autoround_writer import save_autoround
 
-        save_autoround(qmodel, output_dir, overwrite=overwrite, extra_files=extra, tuning=_tuning_keys(cfg, ids))
+        save_autoround(qmodel, output_dir, overwrite=overwrite, extra_files=extra, tuning=_tuning_keys(cfg, ids),
+                       layer_config=cfg.layer_config or None)
     prog.finish(pdir)
     return output_dir
 

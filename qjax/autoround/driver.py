@@ -31,8 +31,8 @@ from qjax.config import FULL
 from qjax.quant.packing import pack_int32
 from . import blocks
 from .data import IndexSampler
-from .qdq import (fp8_kv_scale, init_params, qdq_int_asym, qdq_int_sym, quantize_mxfp8, search_scales,
-                  weight_minmax)
+from .qdq import (fp8_kv_scale, init_params, opt_rtn_int_sym, qdq_int_asym, qdq_int_sym, quantize_mxfp8,
+                  search_scales, weight_minmax)
 from .optim import clamp_minmax, default_lr, make_optimizer
 from .schemes import Scheme, resolve
 
@@ -252,7 +252,7 @@ class AutoRound:
             if _is_tunable(s):
                 wmin, wmax = weight_minmax(w, s.group_size)
                 c = {"wmin": wmin, "wmax": wmax}
-                if self._alg_ext_scale(s) or (cfg.iters == 0 and self._opt_rtn(s, u)):
+                if self._alg_ext_scale(s):
                     c["init_scale"] = search_scales(w, imatrix.get(u.name), bits=s.bits, group_size=s.group_size)
                 consts[u.name] = c
                 params[u.name] = init_params(w, s.group_size)
@@ -268,8 +268,13 @@ class AutoRound:
                 values, scale, _ = quantize_mxfp8(w, im)
                 out[u.name] = UnitResult(s, np.asarray(values), np.asarray(scale), w.shape[-1])
                 continue
-            p = clamp_minmax(params, self._alpha_max(s))[u.name]
-            _, scale, zp, q = _qdq(w, p, consts[u.name], s, cfg)
+            if self._opt_rtn(s, u):
+                # auto-round's optimized RTN: imatrix-weighted scale search, one-shot rounding
+                _, scale, q = opt_rtn_int_sym(w, imatrix.get(u.name), bits=s.bits, group_size=s.group_size)
+                zp = None
+            else:
+                p = clamp_minmax(params, self._alpha_max(s))[u.name]
+                _, scale, zp, q = _qdq(w, p, consts[u.name], s, cfg)
             q = np.asarray(q, np.int32)
             if zp is not None:  # auto-round's unsigned codes → compressed-tensors' signed ones (same q − zp)
                 q = q - (1 << (s.bits - 1))

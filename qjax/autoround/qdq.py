@@ -302,7 +302,8 @@ def qdq_int_asym(
     maxq = 2**bits - 1
     lo = wmin * beta
     hi = wmax * alpha
-    s = _floor_magnitude(_rnd(_true_div(hi - lo, float(maxq)), scale_dtype), _scale_thresh(scale_dtype), scale_dtype, signed=False)
+    s = _rnd(_true_div(hi - lo, float(maxq)), scale_dtype)
+    s = _floor_magnitude(s, _scale_thresh(scale_dtype), scale_dtype, signed=False)
     # Gradient grouping as in torch: uses of the unsqueezed scale (`w / s`, `s * (q - zp)`) are each cast to
     # scale_dtype and added, then added to the zero point's use (`-lo / s`), each sum in scale_dtype.
     s_col = _grad_rnd(s, scale_dtype)[..., None]

@@ -1,0 +1,232 @@
+"""AutoRound side by side: auto-round 0.16.1 (PyTorch, CPU) and qjax.autoround on the same model, data and options.
+
+One seeded transformers ``Qwen3_5MoeForCausalLM`` (the ``mid`` config of cpu_speed.py: hidden 512, 8 layers
+[lin, lin, lin, full] × 2, 32 experts top-4, expert/shared intermediate 256) is saved in bf16 with a word-level
+tokenizer; a JSON list of random-word documents (each longer than seqlen) is the calibration set. Both tools quantize
+it with W4A16 g128 and 2-bit g64 experts (seed 000's recipe), ``iters``, ``nsamples``, ``seqlen``, ``batch_size``
+given on the command line (defaults: AUTOROUND.md's anchor, 50 / 32 / 256 / 8), and write llm_compressor folders.
+
+Reported per block: wall time (auto-round: between its successive "loss iter 0 … -> iter k …" log lines; qjax: its
+own block reports, compile included in the first block of each kind) and the block's loss at iteration 0 (RTN) and
+its best loss — both tools log the same quantity, token-masked MSE / valid tokens of that iteration's minibatch.
+Also: total wall time of each ``quantize`` call (model load and export excluded for both), and as a common
+yardstick the final-logit MSE of each quantized model against the bf16 model on held-out ids (qjax loads both
+folders, so the same code scores them).
+
+Target (issue 5): qjax ≤ 0.5× auto-round's time with equal or lower loss.
+
+    python benchmarks/autoround.py [--iters 50 --nsamples 32 --seqlen 256 --batch-size 8] [--repeats 1] [--no-write]
+
+Writes (replaces) the section ``## AutoRound: qjax vs auto-round (issue 5)`` of ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import random
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_speed import RESULTS, config_dict, write_section  # noqa: E402
+
+SECTION = "## AutoRound: qjax vs auto-round (issue 5)"
+TARGET = 0.5
+RECIPES = {  # config → (group size of the 4-bit layers, group size of the 2-bit experts): groups must divide dims
+    "mid": (128, 64), "tiny": (32, 32)}
+
+
+def words(vocab: int) -> list[str]:
+    return [f"w{i}" for i in range(vocab - 2)]
+
+
+def write_model(folder: str, config: str) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5MoeTextConfig(**config_dict(config))
+    model = Qwen3_5MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(folder)
+    ws = words(cfg.vocab_size)
+    vocab = {w: i for i, w in enumerate(ws)}
+    vocab["[UNK]"], vocab["<|endoftext|>"] = len(ws), len(ws) + 1
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", unk_token="[UNK]").save_pretrained(folder)
+
+
+def write_calibration(path: str, n: int, length: int, vocab: int, seed: int = 0) -> None:
+    r = random.Random(seed)
+    ws = words(vocab)
+    # Zipf-like word frequencies so that routing is uneven, as with real text
+    weights = [1.0 / (i + 1) for i in range(len(ws))]
+    docs = [" ".join(r.choices(ws, weights, k=length)) for _ in range(n)]
+    with open(path, "w") as f:
+        json.dump(docs, f)
+
+
+class _Capture(logging.Handler):
+    """auto-round's per-block log lines: 'quantized N/M layers in the block, loss iter 0: A -> iter k: B'."""
+
+    PAT = re.compile(r"loss iter 0: ([0-9.eE+-]+) -> iter (\d+): ([0-9.eE+-]+)")
+
+    def __init__(self):
+        super().__init__()
+        self.blocks: list[tuple[float, float, float, int]] = []  # (time, init, best, best_iter)
+
+    def emit(self, record):
+        m = self.PAT.search(record.getMessage())
+        if m:
+            self.blocks.append((time.perf_counter(), float(m.group(1)), float(m.group(3)), int(m.group(2))))
+
+
+def run_auto_round(base: str, calib: str, out: str, a) -> dict:
+    import torch
+    from auto_round import AutoRound
+
+    torch.set_num_threads(os.cpu_count() or 2)
+    cap = _Capture()
+    for name in ("autoround", "auto_round"):
+        logging.getLogger(name).addHandler(cap)
+    from transformers import PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    # explicit: AutoTokenizer maps the qwen3_5_moe config to Qwen3_5Tokenizer, which cannot read a word-level vocab
+    # (and the model object too: given a path, auto-round loads the tokenizer itself)
+    tok = PreTrainedTokenizerFast.from_pretrained(base)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    gs, egs = RECIPES[a.config]
+    ar = AutoRound(model, tokenizer=tok, scheme="W4A16", bits=4, group_size=gs, iters=a.iters, nsamples=a.nsamples,
+                   seqlen=a.seqlen, batch_size=a.batch_size, dataset=calib,
+                   layer_config={".*experts.*": {"bits": 2, "group_size": egs}})
+    t0 = time.perf_counter()
+    ar.quantize()
+    total = time.perf_counter() - t0
+    ar.save_quantized(out, format="llm_compressor")
+    times = np.diff([t0] + [b[0] for b in cap.blocks]).tolist()
+    return {"total": total, "block_s": times, "init": [b[1] for b in cap.blocks], "best": [b[2] for b in cap.blocks],
+            "best_iter": [b[3] for b in cap.blocks]}
+
+
+def run_qjax(base: str, calib: str, out: str, a) -> dict:
+    import qjax
+    from qjax.autoround.data import calibration_ids, load_tokenizer
+    from qjax.autoround.driver import AutoRound, AutoRoundConfig
+    from qjax.convert import save_pretrained
+
+    model = qjax.load_model(base)
+    ids = calibration_ids(calib, load_tokenizer(base), nsamples=a.nsamples, seqlen=a.seqlen)
+    gs, egs = RECIPES[a.config]
+    cfg = AutoRoundConfig(bits=4, group_size=gs, layer_config={".*experts.*": {"bits": 2, "group_size": egs}},
+                          iters=a.iters, nsamples=a.nsamples, seqlen=a.seqlen, batch_size=a.batch_size)
+    ar = AutoRound(model, ids, cfg, progress=False)
+    t0 = time.perf_counter()
+    ar.run()
+    total = time.perf_counter() - t0
+    save_pretrained(ar.quantized_model(), out)
+    return {"total": total, "block_s": [r.seconds for r in ar.reports], "init": [r.init_loss for r in ar.reports],
+            "best": [r.best_loss for r in ar.reports], "best_iter": [r.best_iter for r in ar.reports]}
+
+
+def logit_mse(base: str, folder: str, ids: np.ndarray) -> float:
+    import jax.numpy as jnp
+
+    import qjax
+
+    ref = np.asarray(qjax.load_model(base, dtype=jnp.float32)(ids))
+    got = np.asarray(qjax.load_model(folder, dtype=jnp.float32)(ids))
+    return float(np.mean((got - ref) ** 2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="mid", choices=sorted(RECIPES))
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--nsamples", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each tool (median of the totals)")
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        # auto-round caches tokenized calibration sets by a fingerprint that ignores the vocabulary: a private cache
+        # keeps another run's tokenization of the same file name out
+        os.environ["HF_DATASETS_CACHE"] = os.path.join(tmp, "hf-datasets")
+        # its preprocessing subprocess filtered every sample out here (0 cached); in-process it keeps them
+        os.environ["AR_DISABLE_DATASET_SUBPROCESS"] = "1"
+        base = os.path.join(tmp, "base")
+        write_model(base, a.config)
+        vocab = config_dict(a.config)["vocab_size"]
+        calib = os.path.join(tmp, "calib.json")
+        write_calibration(calib, a.nsamples + 8, a.seqlen + 32, vocab)
+        held = np.random.default_rng(1).integers(0, vocab - 2, (2, 128)).astype(np.int32)
+        runs = {"auto-round": [], "qjax": []}
+        for rep in range(a.repeats):
+            # interleaved, so background load hits both alike
+            runs["auto-round"].append(run_auto_round(base, calib, os.path.join(tmp, f"ar{rep}"), a))
+            runs["qjax"].append(run_qjax(base, calib, os.path.join(tmp, f"qj{rep}"), a))
+        mse = {"auto-round": logit_mse(base, _folder(os.path.join(tmp, "ar0")), held),
+               "qjax": logit_mse(base, os.path.join(tmp, "qj0"), held)}
+    text = report(runs, mse, a)
+    print(text)
+    if not a.no_write:
+        write_section(text, section=SECTION)
+        print(f"wrote {RESULTS}")
+
+
+def _folder(out: str) -> str:
+    for root, _, files in os.walk(out):
+        if "config.json" in files:
+            return root
+    raise FileNotFoundError(out)
+
+
+def report(runs: dict, mse: dict, a) -> str:
+    ar_t = statistics.median(r["total"] for r in runs["auto-round"])
+    qj_t = statistics.median(r["total"] for r in runs["qjax"])
+    ar0, qj0 = runs["auto-round"][0], runs["qjax"][0]
+    ratio = qj_t / ar_t
+    lines = [SECTION, "",
+             f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, {os.cpu_count()} CPU cores "
+             f"(shared), {platform.python_version()}",
+             f"- command: `python benchmarks/autoround.py {shlex.join(sys.argv[1:])}`",
+             f"- model: cpu_speed.py `{a.config}` config in bf16; recipe W4A16 g{RECIPES[a.config][0]} + "
+             f"int2 g{RECIPES[a.config][1]} experts; iters {a.iters}, nsamples {a.nsamples}, seqlen {a.seqlen}, batch {a.batch_size}; "
+             f"median of {a.repeats} run(s) per tool",
+             f"- total tuning time: auto-round {ar_t:.1f} s, qjax {qj_t:.1f} s → **qjax/auto-round = {ratio:.2f}** "
+             f"(target ≤ {TARGET}: {'MET' if ratio <= TARGET else 'MISSED'})",
+             f"- final-logit MSE vs the bf16 model on held-out ids: auto-round {mse['auto-round']:.3e}, "
+             f"qjax {mse['qjax']:.3e}", "",
+             "| block | auto-round s | qjax s | auto-round loss it0 → best | qjax loss it0 → best |",
+             "|---|---|---|---|---|"]
+    n = max(len(ar0["best"]), len(qj0["best"]))
+    for i in range(n):
+        def cell(r, k, fmt):
+            return fmt.format(r[k][i]) if i < len(r[k]) and r[k][i] is not None else "-"
+        lines.append(f"| {i} | {cell(ar0, 'block_s', '{:.1f}')} | {cell(qj0, 'block_s', '{:.1f}')} | "
+                     f"{cell(ar0, 'init', '{:.3e}')} → {cell(ar0, 'best', '{:.3e}')} | "
+                     f"{cell(qj0, 'init', '{:.3e}')} → {cell(qj0, 'best', '{:.3e}')} |")
+    lower = sum(1 for x, y in zip(qj0["best"], ar0["best"]) if x is not None and x <= y)
+    lines += ["", f"qjax's best block loss ≤ auto-round's in {lower} of {min(len(ar0['best']), len(qj0['best']))} "
+                  "blocks (each tool's own minibatches; the streams differ after block 0 since each feeds its own "
+                  "quantized outputs forward)."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
