@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# XLA:CPU's multi-threaded Eigen pool deadlocked here (every thread idle, the main thread waiting in a compile) when
+# torch and JAX ran in one process on 2 cores; single-threaded Eigen avoids it and costs nothing measurable here.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+
+import pytest  # noqa: E402
 import torch
 
 from hf_util import make_hf_model, odd_text_config, save_hf, tiny_text_config, write_official_layout

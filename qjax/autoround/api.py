@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -16,6 +17,7 @@ import numpy as np
 from . import progress as prog
 from .data import calibration_ids, load_tokenizer
 from .driver import AutoRound, AutoRoundConfig, report_json
+from .schemes import _FIELDS, check_scheme
 
 logger = logging.getLogger("qjax.autoround")
 
@@ -50,6 +52,12 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
 
     import qjax
 
+    # options are checked before anything is loaded or computed
+    base = cfg.base_scheme
+    check_scheme(base, "--bits/--group_size/--data_type")
+    for pat, opts in cfg.layer_config.items():
+        check_scheme(dataclasses.replace(base, **{k: v for k, v in opts.items() if k in _FIELDS}),
+                     f"--layer_config[{pat!r}]")
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not supported (choose from {', '.join(FORMATS)})")
     if os.path.exists(output_dir) and not overwrite:
