@@ -21,13 +21,13 @@ from __future__ import annotations
 import collections
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from qjax.convert.hf_writer import DEFAULT_SHARD_BYTES, _write_json, checkpoint_tensors
+from qjax.autoround.schemes import standard_regex
+from qjax.convert.hf_writer import (DEFAULT_SHARD_BYTES, _write_json, checkpoint_tensors, hf_config, write_atomically,
+                                     write_weights)
 from qjax.loading_autoround import (
     AUTOROUND_METHOD,
     AWQ,
@@ -41,7 +41,6 @@ from qjax.loading_autoround import (
 )
 from qjax.loading_quant import layer_linears
 from qjax.quant.packing import unpack_zero_point
-from qjax.safetensors_io import INDEX_FILE_NAME, write_safetensors
 
 __all__ = ["AUTOROUND_VERSION", "AutoRoundError", "autoround_quantization_config", "save_autoround"]
 
@@ -141,19 +140,6 @@ def _differing(fields: Mapping, top: Mapping) -> dict:
     return {k: fields[k] for k in _LAYER_CONFIG_KEYS if k in fields and fields[k] != top.get(k)}
 
 
-def to_standard_regex(pattern: str) -> str:
-    """auto-round's ``to_standard_regex``: a plain name becomes ``.*escaped.*``; in a pattern, bare dots are
-    escaped and unanchored ends get ``.*``."""
-    if not any(tok in pattern for tok in (".*", "^", "$", "|", "(", ")", "[", "]", "?", "+")):
-        return f".*{re.escape(pattern)}.*"
-    regex = re.sub(r"\.(?!\*)", r"\\.", pattern)  # as auto-round: even an already escaped dot is escaped again
-    if not regex.startswith(("^", ".*")):
-        regex = ".*" + regex
-    if not regex.endswith(("$", ".*")):
-        regex += ".*"
-    return regex
-
-
 def _tuning_keys(tuning: Mapping | None) -> dict:
     """Non-default tuning keys, filtered like auto-round's ``filter_quantization_config``."""
     if not tuning:
@@ -178,7 +164,7 @@ def _regex_entries(linears: list[Linear], layer_config: Mapping, top: Mapping) -
             raise AutoRoundError(f"layer_config[{pattern!r}]: unsupported keys {bad} ({', '.join(_LAYER_CONFIG_KEYS)})")
         if pattern in names:
             continue  # an exact layer name: its explicit extra_config entry (if it differs) already says it
-        regex = to_standard_regex(pattern)
+        regex = standard_regex(pattern)
         matched = [(n, s) for n, s, _ in linears if re.search(regex, n)]
         if not matched:
             raise AutoRoundError(f"layer_config[{pattern!r}] ({regex}) matches no linear layer")
@@ -232,7 +218,7 @@ def autoround_quantization_config(model, *, tuning: Mapping | None = None, layer
         extra["lm_head"] = _fields(lm_head)  # outside the blocks: auto-round records its whole scheme
     extra.update(_regex_entries(linears, layer_config or {}, top))
     for i in range(model.config.num_hidden_layers):
-        extra[to_standard_regex(f"{BLOCK_NAME}.{i}.mlp.gate")] = {"bits": 16, "data_type": "float"}
+        extra[standard_regex(f"{BLOCK_NAME}.{i}.mlp.gate")] = {"bits": 16, "data_type": "float"}
 
     qc: dict = {"bits": top["bits"], "data_type": "int", "group_size": top["group_size"], "sym": top["sym"]}
     qc.update(_tuning_keys(tuning))
@@ -320,74 +306,14 @@ def save_autoround(model, out_dir: str | os.PathLike, *, overwrite: bool = False
     """
     qc = autoround_quantization_config(model, tuning=tuning, layer_config=layer_config,
                                        packing_format=packing_format)
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    try:
-        _write_folder(model, tmp, qc, dtype=dtype, max_shard_bytes=max_shard_bytes, extra_files=extra_files)
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-            os.rename(out_dir, os.path.join(old, "previous"))
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
-def _write_folder(model, folder: str, qc: dict, *, dtype, max_shard_bytes: int, extra_files: Iterable[str]) -> None:
     out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
-    hf_cfg = model.config.to_hf_dict()
-    hf_cfg["dtype"] = out_dtype.name
-    if getattr(model, "mtp", None) is not None:
-        hf_cfg["mtp_num_hidden_layers"] = max(1, model.config.mtp_num_hidden_layers)
-    hf_cfg["quantization_config"] = qc
-    _write_json(os.path.join(folder, "config.json"), hf_cfg)
-    _write_json(os.path.join(folder, "quantization_config.json"), qc)  # auto-round writes it alongside
-    _write_json(os.path.join(folder, "generation_config.json"), _generation_config(model))
 
-    tensors = autoround_tensors(model, qc, dtype=out_dtype)
-    plan: list[list[Item]] = [[]]
-    size = 0
-    for item in tensors:
-        if plan[-1] and size + item[1] > max_shard_bytes:
-            plan.append([])
-            size = 0
-        plan[-1].append(item)
-        size += item[1]
-    n = len(plan)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for name, items in zip(names, plan):
-        write_safetensors(os.path.join(folder, name), {k: get() for k, _, get in items}, metadata={"format": "pt"})
-    if n > 1:
-        weight_map = {k: name for name, items in zip(names, plan) for k, _, _ in items}
-        _write_json(os.path.join(folder, INDEX_FILE_NAME),
-                    {"metadata": {"total_size": sum(b for _, b, _ in tensors)}, "weight_map": weight_map})
-    for src in extra_files:
-        shutil.copyfile(src, os.path.join(folder, os.path.basename(src)))
+    def write(folder: str) -> None:
+        hf_cfg = hf_config(model, out_dtype)
+        hf_cfg["quantization_config"] = qc
+        _write_json(os.path.join(folder, "config.json"), hf_cfg)
+        _write_json(os.path.join(folder, "quantization_config.json"), qc)  # auto-round writes it alongside
+        write_weights(folder, autoround_tensors(model, qc, dtype=out_dtype), model=model,
+                      max_shard_bytes=max_shard_bytes, extra_files=extra_files)
 
-
-def _generation_config(model) -> dict:
-    """generation_config.json as ``save_pretrained`` writes it (only non-default warpers)."""
-    gc = getattr(model, "generation_config", None)
-    gen: dict = {"do_sample": False}
-    if gc is None:
-        return gen
-    gen["do_sample"] = gc.do_sample
-    if gc.temperature != 1.0:
-        gen["temperature"] = gc.temperature
-    if gc.top_k:
-        gen["top_k"] = gc.top_k
-    if gc.top_p < 1.0:
-        gen["top_p"] = gc.top_p
-    if gc.eos_token_id:
-        gen["eos_token_id"] = list(gc.eos_token_id)
-    if gc.pad_token_id is not None:
-        gen["pad_token_id"] = gc.pad_token_id
-    return gen
+    return write_atomically(out_dir, write, overwrite=overwrite)

@@ -149,6 +149,24 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, dtype=None, fused_expe
     Returns:
       ``out_dir`` as a string.
     """
+    out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
+
+    def write(folder: str) -> None:
+        hf_cfg = hf_config(model, out_dtype)
+        qc = quantization_config(model)
+        if qc is not None:
+            hf_cfg["quantization_config"] = qc
+        _write_json(os.path.join(folder, "config.json"), hf_cfg)
+        write_weights(folder, checkpoint_tensors(model, fused_experts=fused_experts, dtype=out_dtype),
+                      model=model, max_shard_bytes=max_shard_bytes, extra_files=extra_files)
+
+    return write_atomically(out_dir, write, overwrite=overwrite)
+
+
+def write_atomically(out_dir: str | os.PathLike, write: Callable[[str], None], *, overwrite: bool) -> str:
+    """Run ``write(tmp)`` into a temporary folder next to ``out_dir`` and rename it into place when complete, so a
+    failure leaves nothing behind; an existing ``out_dir`` is refused unless ``overwrite`` (then replaced only after
+    the new folder is complete). Returns ``out_dir`` as an absolute path."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
@@ -156,8 +174,7 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, dtype=None, fused_expe
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
-        _write_folder(model, tmp, dtype=dtype, fused_experts=fused_experts, max_shard_bytes=max_shard_bytes,
-                      extra_files=extra_files)
+        write(tmp)
         if os.path.exists(out_dir):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
             os.rename(out_dir, os.path.join(old, "previous"))
@@ -171,35 +188,41 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, dtype=None, fused_expe
     return out_dir
 
 
-def _write_folder(model, folder, *, dtype, fused_experts, max_shard_bytes, extra_files) -> None:
-    cfg = model.config
-    out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
-    hf_cfg = cfg.to_hf_dict()
+def hf_config(model, out_dtype: np.dtype) -> dict:
+    """config.json of ``model`` (without quantization_config)."""
+    hf_cfg = model.config.to_hf_dict()
     hf_cfg["dtype"] = out_dtype.name
     if getattr(model, "mtp", None) is not None:
-        hf_cfg["mtp_num_hidden_layers"] = max(1, cfg.mtp_num_hidden_layers)
-    qc = quantization_config(model)
-    if qc is not None:
-        hf_cfg["quantization_config"] = qc
-    _write_json(os.path.join(folder, "config.json"), hf_cfg)
+        hf_cfg["mtp_num_hidden_layers"] = max(1, model.config.mtp_num_hidden_layers)
+    return hf_cfg
+
+
+def generation_config(model) -> dict:
+    """generation_config.json as ``save_pretrained`` writes it: only non-default warpers (transformers warns about
+    top_k = 0 and friends)."""
     gc = getattr(model, "generation_config", None)
     gen: dict = {"do_sample": False}
-    if gc is not None:
-        gen["do_sample"] = gc.do_sample
-        # only non-default warpers: transformers warns about top_k = 0 and friends
-        if gc.temperature != 1.0:
-            gen["temperature"] = gc.temperature
-        if gc.top_k:
-            gen["top_k"] = gc.top_k
-        if gc.top_p < 1.0:
-            gen["top_p"] = gc.top_p
-        if gc.eos_token_id:
-            gen["eos_token_id"] = list(gc.eos_token_id)
-        if gc.pad_token_id is not None:
-            gen["pad_token_id"] = gc.pad_token_id
-    _write_json(os.path.join(folder, "generation_config.json"), gen)
+    if gc is None:
+        return gen
+    gen["do_sample"] = gc.do_sample
+    if gc.temperature != 1.0:
+        gen["temperature"] = gc.temperature
+    if gc.top_k:
+        gen["top_k"] = gc.top_k
+    if gc.top_p < 1.0:
+        gen["top_p"] = gc.top_p
+    if gc.eos_token_id:
+        gen["eos_token_id"] = list(gc.eos_token_id)
+    if gc.pad_token_id is not None:
+        gen["pad_token_id"] = gc.pad_token_id
+    return gen
 
-    tensors = checkpoint_tensors(model, fused_experts=fused_experts, dtype=out_dtype)
+
+def write_weights(folder: str, tensors: list[tuple[str, int, Callable]], *, model, max_shard_bytes: int,
+                  extra_files: Iterable[str]) -> None:
+    """generation_config.json, the safetensors shards of ``tensors`` ((key, bytes, get) — one shard on the host at a
+    time) with their index when there are several, and ``extra_files`` copied as they are."""
+    _write_json(os.path.join(folder, "generation_config.json"), generation_config(model))
     plan: list[list[tuple[str, int, Callable]]] = [[]]
     size = 0
     for item in tensors:
@@ -211,7 +234,6 @@ def _write_folder(model, folder, *, dtype, fused_experts, max_shard_bytes, extra
     n = len(plan)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for name, items in zip(names, plan):
-        # one shard at a time on the host
         write_safetensors(os.path.join(folder, name), {k: get() for k, _, get in items}, metadata={"format": "pt"})
     if n > 1:
         weight_map = {k: name for name, items in zip(names, plan) for k, _, _ in items}

@@ -84,9 +84,9 @@ def cmd_generate(a) -> int:
 
     import qjax
 
-    from qjax.autoround.api import _default_model_dir
+    from qjax.builtin import default_model_dir
 
-    a.model = a.model or _default_model_dir()
+    a.model = a.model or default_model_dir()
     model = qjax.load_model(a.model, dtype=jnp.dtype(a.dtype) if a.dtype else None)
     tok_path = os.path.join(a.model, "tokenizer.json")
     tokenizer = None

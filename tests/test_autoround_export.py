@@ -272,12 +272,12 @@ def test_existing_target_refused_and_failed_write_leaves_nothing(exported, tmp_p
     with pytest.raises(FileExistsError, match="already exists"):
         save_autoround(qm, target)
 
-    from qjax.convert import autoround_writer
+    from qjax.convert import hf_writer
 
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(autoround_writer, "write_safetensors", boom)
+    monkeypatch.setattr(hf_writer, "write_safetensors", boom)  # the shared shard writer
     with pytest.raises(OSError, match="disk full"):
         save_autoround(qm, tmp_path / "new")
     with pytest.raises(OSError, match="disk full"):

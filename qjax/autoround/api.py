@@ -18,6 +18,7 @@ from . import progress as prog
 from .data import calibration_ids, load_tokenizer
 from .driver import AutoRound, AutoRoundConfig, report_json
 from .schemes import _FIELDS, check_scheme
+from qjax.builtin import default_model_dir
 
 logger = logging.getLogger("qjax.autoround")
 
@@ -179,7 +180,7 @@ def add_arguments(p) -> None:
 
 def cli(a) -> int:
     cfg = config_from_args(a)
-    model_dir = a.model or _default_model_dir()
+    model_dir = a.model or default_model_dir()
     dataset = a.dataset or os.path.join(model_dir, "calib.txt")
     if not a.quiet:
         logging.getLogger("qjax.autoround").setLevel(logging.INFO)
@@ -199,12 +200,3 @@ def cli(a) -> int:
                           overwrite=a.overwrite, resume=a.resume, progress=not a.quiet, on_block=on_block)
     print(f"wrote {out} ({a.format})")
     return 0
-
-
-def _default_model_dir() -> str:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.join(here, "assets", "default")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"no --model given and the built-in model is missing ({path})")
-    return path
-

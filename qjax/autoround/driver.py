@@ -17,9 +17,8 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
