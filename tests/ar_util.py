@@ -7,6 +7,8 @@ import glob
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -50,9 +52,29 @@ def write_calibration(path: str | Path, n: int = NSAMPLES, words: int = SEQLEN +
     return str(path)
 
 
-def run_auto_round(base: str, calib: str, out: str, *, bits: int, group_size: int, layer_config: dict,
-                   iters: int = 0, fmt: str = "llm_compressor", **kw) -> str:
-    """Run auto-round 0.16.1 itself; returns the folder it wrote."""
+def isolated(func: str, **kwargs):
+    """``ar_util.<func>(**kwargs)`` in a fresh interpreter, its JSON result returned.
+
+    Running auto-round (quantizing, or loading an auto-round checkpoint through transformers) patches transformers
+    for the rest of the process — afterwards ``save_pretrained`` writes fused experts and other models compute
+    different logits — so every such call is kept out of the test process.
+    """
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import ar_util; "
+            "print('RESULT ' + json.dumps(getattr(ar_util, sys.argv[2])(**json.loads(sys.argv[3]))))")
+    p = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), func,
+                        json.dumps(kwargs)], capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        raise RuntimeError(f"{func} failed in a subprocess:\n{p.stderr[-4000:]}")
+    return json.loads(p.stdout.rsplit("RESULT ", 1)[1])
+
+
+def run_auto_round(base: str, calib: str, out: str, **kw) -> str:
+    """Run auto-round 0.16.1 itself (in a subprocess, see :func:`isolated`); returns the folder it wrote."""
+    return isolated("run_auto_round_here", base=base, calib=calib, out=out, **kw)
+
+
+def run_auto_round_here(base: str, calib: str, out: str, *, bits: int, group_size: int, layer_config: dict,
+                        iters: int = 0, fmt: str = "llm_compressor", **kw) -> str:
     from auto_round import AutoRound
 
     torch.manual_seed(0)
@@ -72,3 +94,35 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
         with SafetensorsFile(f) as st:
             out.update({k: np.array(st.get(k)) for k in st.keys()})
     return out
+
+
+def autoround_export_here(source: str, out: str, sym: bool, layer_config: dict | None) -> str:
+    """auto-round's own ``--format auto_round`` RTN export of ``source`` (iters=0, no optimized RTN, no calibration
+    data; the model-free route would spawn worker processes); returns the folder it wrote."""
+    import auto_round
+
+    ar = auto_round.AutoRound(source, scheme="W4A16", group_size=32, sym=sym, iters=0, disable_opt_rtn=True,
+                              layer_config=layer_config or None, disable_model_free=True)
+    ar.quantize_and_save(out, format="auto_round")
+    (config,) = glob.glob(os.path.join(out, "**", "config.json"), recursive=True)  # it adds a model-name folder
+    return os.path.dirname(config)
+
+
+def transformers_autoround_logits_here(folder: str, ids: list, out: str) -> int:
+    """Logits of an auto_round folder loaded by transformers + auto-round (CPU torch kernels), saved to ``out``
+    (.npy); returns the number of quantized modules.
+
+    auto-round's CPU kernels compute in fp16/bf16 only, so the model is loaded in bf16 and cast to float32 except
+    the scales, kept in float16 so its kernel dequantizes ``scales · (q − zp)`` rounded once to float16.
+    """
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    hf = torch.nn.Module.float(hf).eval()  # PreTrainedModel.float() refuses quantized models
+    quantized = [m for m in hf.modules() if hasattr(m, "qweight")]
+    for m in quantized:
+        m.scales = m.scales.half()
+    with torch.no_grad():
+        logits = hf(torch.as_tensor(np.asarray(ids), dtype=torch.long), use_cache=False).logits.numpy()
+    np.save(out, logits)
+    return len(quantized)

@@ -8,7 +8,6 @@ asymmetric recipes, and the one its CPU kernels can run). Scales are float16, as
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -198,17 +197,13 @@ def test_transformers_loads_it_with_autoround(exported, recipe: str) -> None:
     implementations of the same math: 1e-4, as for the dense writer (measured ≈ 1–3e-5).
     """
     pytest.importorskip("auto_round")
-    from transformers import AutoModelForCausalLM
+    from ar_util import isolated
 
     _, want, folder = exported[recipe]
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    hf = torch.nn.Module.float(hf).eval()  # PreTrainedModel.float() refuses quantized models
-    quantized = [m for m in hf.modules() if hasattr(m, "qweight")]
-    assert len(quantized) == 3 * (3 + 3) + (4 + 3) + 4 * 8 * 3
-    for m in quantized:
-        m.scales = m.scales.half()
-    with torch.no_grad():
-        theirs = hf(torch.as_tensor(IDS, dtype=torch.long), use_cache=False).logits.numpy()
+    out = os.path.join(folder, "..", f"{recipe}-transformers-logits.npy")
+    n_quantized = isolated("transformers_autoround_logits_here", folder=folder, ids=IDS.tolist(), out=out)
+    assert n_quantized == 3 * (3 + 3) + (4 + 3) + 4 * 8 * 3
+    theirs = np.load(out)
     assert np.abs(theirs - want).max() <= 1e-4
 
 
@@ -216,15 +211,10 @@ def test_transformers_loads_it_with_autoround(exported, recipe: str) -> None:
 # against auto-round's own output
 # ---------------------------------------------------------------------------------------------------------------------
 def _autoround_folder(source: str, out: str, recipe: str) -> str:
-    import auto_round
+    from ar_util import isolated
 
     sym, _, _, _, _, layer_config = RECIPES[recipe]
-    # iters=0 + disable_opt_rtn: plain RTN, no calibration data; the model-free route would spawn worker processes
-    ar = auto_round.AutoRound(source, scheme="W4A16", group_size=32, sym=sym, iters=0, disable_opt_rtn=True,
-                              layer_config=layer_config or None, disable_model_free=True)
-    ar.quantize_and_save(out, format="auto_round")
-    (config,) = glob.glob(os.path.join(out, "**", "config.json"), recursive=True)  # it adds a model-name folder
-    return os.path.dirname(config)
+    return isolated("autoround_export_here", source=source, out=out, sym=sym, layer_config=layer_config)
 
 
 def _headers(folder: str) -> dict[str, tuple[str, tuple[int, ...]]]:
