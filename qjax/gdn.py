@@ -1,7 +1,7 @@
 """The gated delta rule (MODEL.md §2.5) as pure functions.
 
 Two forms with one signature: the exact token-by-token recurrence (the reference, used for single-token decode) and
-the chunked form (64-token chunks, a unit-lower-triangular solve per chunk and a scan across chunks) used for every
+the chunked form (64-token chunks, a unit-lower-triangular inverse per chunk and a scan across chunks) used for every
 multi-token call. Everything runs in float32 — a bf16 recurrent state corrupts long decodes (MODEL.md §8.3) — and
 every matmul asks for full fp32 precision so a GPU never silently drops to TF32.
 """
@@ -70,6 +70,28 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
     return jnp.moveaxis(o, 1, 2).astype(out_dtype), s
 
 
+def unit_lower_inverse(a: jnp.ndarray) -> jnp.ndarray:
+    """Inverse of unit-lower-triangular ``a [..., C, C]`` (C a power of two) by recursive 2×2 block inversion:
+    ``[[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]]`` — matmuls only (the entries above the diagonal are
+    ignored).
+
+    Why not ``lax.linalg.triangular_solve``: XLA:CPU runs a batched solve of 64×64 blocks ~50× slower than these
+    matmuls and its gradient slower still, and inside a jitted ``lax.scan`` of training steps it was seen to hang
+    XLA:CPU for good (AutoRound tuning on the built-in model). Matmuls are also what a GPU wants.
+    """
+    c = a.shape[-1]
+    if c == 1:
+        return jnp.ones_like(a)
+    if c % 2:
+        raise ValueError(f"block size {c} is not a power of two")
+    h = c // 2
+    both = unit_lower_inverse(jnp.stack([a[..., :h, :h], a[..., h:, h:]]))
+    ai, di = both[0], both[1]
+    low = -jnp.matmul(jnp.matmul(di, a[..., h:, :h], precision=HIGHEST), ai, precision=HIGHEST)
+    top = jnp.concatenate([ai, jnp.zeros_like(ai)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([low, di], axis=-1)], axis=-2)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
     """Chunked form of :func:`recurrent_gated_delta_rule` (same arguments and results).
 
@@ -101,7 +123,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int
     # (I + strictly_lower(A)) X = B, unit diagonal: the UT transform that folds the chunk's delta updates together
     unit_lower = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), a, 0.0) + jnp.eye(c, dtype=jnp.float32)
     rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(gc)[..., None]], axis=-1)
-    sol = jax.lax.linalg.triangular_solve(unit_lower, rhs, left_side=True, lower=True, unit_diagonal=True)
+    sol = jnp.matmul(unit_lower_inverse(unit_lower), rhs, precision=HIGHEST)
     u, w = sol[..., :dv], sol[..., dv:]
 
     q_dec = q * jnp.exp(gc)[..., None]

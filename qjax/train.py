@@ -56,95 +56,8 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# gated delta rule without triangular_solve
-# ---------------------------------------------------------------------------------------------------------------------
-def unit_lower_inverse(a: jnp.ndarray) -> jnp.ndarray:
-    """Inverse of unit-lower-triangular ``a [..., C, C]`` (C a power of two) by recursive 2×2 block inversion:
-    ``[[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]]`` — matmuls only (the entries above the diagonal are
-    ignored). XLA:CPU runs a batched ``triangular_solve`` of 64×64 blocks ~50× slower than this, and its gradient
-    slower still."""
-    c = a.shape[-1]
-    if c == 1:
-        return jnp.ones_like(a)
-    if c % 2:
-        raise ValueError(f"block size {c} is not a power of two")
-    h = c // 2
-    both = unit_lower_inverse(jnp.stack([a[..., :h, :h], a[..., h:, h:]]))
-    ai, di = both[0], both[1]
-    low = -jnp.matmul(jnp.matmul(di, a[..., h:, :h], precision=HIGHEST), ai, precision=HIGHEST)
-    top = jnp.concatenate([ai, jnp.zeros_like(ai)], axis=-1)
-    return jnp.concatenate([top, jnp.concatenate([low, di], axis=-1)], axis=-2)
-
-
-def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
-    """:func:`qjax.gdn.chunk_gated_delta_rule` (same arguments, results and math) with the per-chunk
-    unit-lower-triangular solve done by :func:`unit_lower_inverse` and a matmul: fast forward *and* backward on CPU."""
-    out_dtype = q.dtype
-    q, k, v, g, beta = gdn._prepare(q, k, v, g, beta)
-    s0 = gdn._zero_state(q, v) if initial_state is None else initial_state.astype(jnp.float32)
-    b, h, t, dk = q.shape
-    dv = v.shape[-1]
-    c = chunk_size
-    pad = (-t) % c
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
-        g, beta = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
-    n = (t + pad) // c
-    q, k, v = (x.reshape(b, h, n, c, x.shape[-1]) for x in (q, k, v))
-    g, beta = (x.reshape(b, h, n, c) for x in (g, beta))
-
-    k_beta = k * beta[..., None]
-    v_beta = v * beta[..., None]
-    gc = jnp.cumsum(g, axis=-1)
-    lower = jnp.tril(jnp.ones((c, c), bool))
-    decay = jnp.exp(jnp.where(lower, gc[..., :, None] - gc[..., None, :], -jnp.inf))
-    a = jnp.einsum("bhnid,bhnjd->bhnij", k_beta, k, precision=HIGHEST) * decay
-    attn = jnp.einsum("bhnid,bhnjd->bhnij", q, k, precision=HIGHEST) * decay
-    unit_lower = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), a, 0.0) + jnp.eye(c, dtype=jnp.float32)
-    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(gc)[..., None]], axis=-1)
-    sol = jnp.matmul(unit_lower_inverse(unit_lower), rhs, precision=HIGHEST)
-    u, w = sol[..., :dv], sol[..., dv:]
-
-    q_dec = q * jnp.exp(gc)[..., None]
-    k_dec = k * jnp.exp(gc[..., -1:] - gc)[..., None]
-    chunk_decay = jnp.exp(gc[..., -1])[..., None, None]
-
-    def step(s, xs):
-        u_i, w_i, q_i, k_i, attn_i, d_i = xs
-        v_new = u_i - jnp.einsum("bhck,bhkv->bhcv", w_i, s, precision=HIGHEST)
-        o_i = jnp.einsum("bhck,bhkv->bhcv", q_i, s, precision=HIGHEST) + jnp.einsum(
-            "bhcj,bhjv->bhcv", attn_i, v_new, precision=HIGHEST)
-        s = s * d_i + jnp.einsum("bhck,bhcv->bhkv", k_i, v_new, precision=HIGHEST)
-        return s, o_i
-
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, q_dec, k_dec, attn, chunk_decay))
-    s, o = jax.lax.scan(step, s0, xs)
-    o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
-    return jnp.moveaxis(o, 1, 2).astype(out_dtype), s
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # forward with the router loss
 # ---------------------------------------------------------------------------------------------------------------------
-def _gdn(m, x: jnp.ndarray) -> jnp.ndarray:
-    """:class:`qjax.model.GatedDeltaNet` ``__call__`` without cache or padding, with the fast chunked rule."""
-    b, t, _ = x.shape
-    mixed = m.in_proj_qkv(x)
-    z = m.in_proj_z(x).reshape(b, t, m.num_v_heads, m.head_v_dim)
-    beta = jax.nn.sigmoid(m.in_proj_b(x))
-    a = m.in_proj_a(x)
-    mixed, _ = m.conv1d(mixed, jnp.zeros((b, m.conv_kernel - 1, mixed.shape[-1]), mixed.dtype))
-    mixed = jax.nn.silu(mixed)
-    q = mixed[..., :m.key_dim].reshape(b, t, m.num_k_heads, m.head_k_dim)
-    k = mixed[..., m.key_dim:2 * m.key_dim].reshape(b, t, m.num_k_heads, m.head_k_dim)
-    v = mixed[..., 2 * m.key_dim:].reshape(b, t, m.num_v_heads, m.head_v_dim)
-    g = -jnp.exp(m.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-        a.astype(jnp.float32) + m.dt_bias[...].astype(jnp.float32))
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
-    o = m.norm(o.astype(x.dtype), z)
-    return m.out_proj(o.reshape(b, t, m.value_dim))
-
-
 def load_balancing_loss(router_logits: jnp.ndarray, idx: jnp.ndarray, num_experts: int) -> jnp.ndarray:
     """``E · Σ_e f_e · P_e`` for one layer (1.0 when perfectly balanced).
 
@@ -170,7 +83,8 @@ def _moe_with_aux(moe, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
 
 def _layer_with_aux(layer, h, ctx):
     x = layer.input_layernorm(h)
-    out = _gdn(layer.linear_attn, x) if layer.layer_type == LINEAR else layer.self_attn(x, ctx, None)[0]
+    mixer = layer.linear_attn if layer.layer_type == LINEAR else layer.self_attn
+    out = mixer(x, ctx, None)[0]
     h = h + out
     out, aux = _moe_with_aux(layer.mlp, layer.post_attention_layernorm(h))
     return h + out, aux

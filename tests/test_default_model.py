@@ -127,23 +127,6 @@ def _tiny_config(**over) -> TextConfig:
     return TextConfig.from_dict(raw)
 
 
-def test_unit_lower_inverse_and_fast_chunk_rule():
-    from qjax import gdn
-
-    a = np.tril(np.random.default_rng(0).normal(size=(3, 64, 64)).astype(np.float32) * 0.2, -1) + np.eye(64)
-    inv = np.asarray(jax.jit(T.unit_lower_inverse)(jnp.asarray(a)))
-    np.testing.assert_allclose(inv @ a, np.broadcast_to(np.eye(64), a.shape), atol=1e-4)
-    k = jax.random.split(jax.random.PRNGKey(0), 5)
-    q, kk = jax.random.normal(k[0], (2, 100, 2, 16)), jax.random.normal(k[1], (2, 100, 2, 16))
-    v = jax.random.normal(k[2], (2, 100, 4, 16))
-    g = -jax.nn.softplus(jax.random.normal(k[3], (2, 100, 4)))
-    beta = jax.nn.sigmoid(jax.random.normal(k[4], (2, 100, 4)))
-    want_o, want_s = jax.jit(gdn.recurrent_gated_delta_rule)(q, kk, v, g, beta)
-    got_o, got_s = jax.jit(T.chunk_gated_delta_rule)(q, kk, v, g, beta)
-    np.testing.assert_allclose(got_o, want_o, atol=2e-5)
-    np.testing.assert_allclose(got_s, want_s, atol=2e-5)
-
-
 def test_forward_train_matches_model_forward():
     cfg = _tiny_config()
     m = qjax.init_model(cfg, seed=0)

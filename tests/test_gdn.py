@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from qjax.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+import jax
+
+from qjax.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule, unit_lower_inverse
 
 
 def _inputs(b, t, hk, hv, dk, dv, seed):
@@ -34,6 +36,32 @@ def test_chunked_equals_recurrent(t, with_state):
     o_c, s_c = chunk_gated_delta_rule(*args, init)
     assert np.abs(np.asarray(o_r) - np.asarray(o_c)).max() <= 1e-5
     assert np.abs(np.asarray(s_r) - np.asarray(s_c)).max() <= 1e-5
+
+
+@pytest.mark.parametrize("c", [1, 2, 16, 64])
+def test_unit_lower_inverse(c):
+    rng = np.random.default_rng(c)
+    a = np.tril(rng.normal(size=(3, c, c)).astype(np.float32) * 0.2, -1) + np.eye(c, dtype=np.float32)
+    junk = np.triu(rng.normal(size=(3, c, c)).astype(np.float32), 1)  # above the diagonal: must be ignored
+    inv = np.asarray(jax.jit(unit_lower_inverse)(jnp.asarray(a + junk)))
+    np.testing.assert_allclose(inv @ a, np.broadcast_to(np.eye(c), a.shape), atol=1e-5)
+    with pytest.raises(ValueError, match="power of two"):
+        unit_lower_inverse(jnp.eye(6))
+
+
+def test_chunked_gradient_matches_recurrent():
+    """AutoRound and training differentiate the chunked form: its gradient must be the recurrence's."""
+    q, k, v, g, beta, s0 = _inputs(1, 70, 2, 4, 8, 8, seed=3)
+    args = tuple(map(jnp.asarray, (q, k, v, g, beta)))
+    w = jnp.asarray(np.random.default_rng(4).normal(size=(1, 70, 4, 8)).astype(np.float32))
+
+    def loss(rule):
+        return lambda *a: jnp.sum(rule(*a, jnp.asarray(s0))[0] * w)
+
+    want = jax.grad(loss(recurrent_gated_delta_rule), argnums=(0, 1, 2, 3, 4))(*args)
+    got = jax.grad(loss(chunk_gated_delta_rule), argnums=(0, 1, 2, 3, 4))(*args)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
 
 
 def test_against_transformers_reference():
