@@ -142,7 +142,7 @@ def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: Q
                 m = k[: -len(suffix)]
                 sch = qc.scheme_for(m) if qc is not None else None
                 if sch is not None:
-                    quant_modules[m] = (f"mxfp8 g32" if sch.is_mxfp8 else
+                    quant_modules[m] = ("mxfp8 g32" if sch.is_mxfp8 else
                                         f"int{sch.num_bits} {'g' + str(sch.group_size) if sch.strategy == 'group' else sch.strategy}"
                                         f"{'' if sch.symmetric else ' asym'}")
     kv_item = 1 if quant is not None and quant.kv_cache else np.dtype(dt).itemsize

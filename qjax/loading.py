@@ -95,7 +95,6 @@ def expected_tensors(model, leaves: dict[tuple, jax.ShapeDtypeStruct], *, fused_
     layer stores its experts fused; stems not in it default to fused (dense experts only: quantized experts are
     always per expert on disk).
     """
-    cfg = model.config
     period = len(model.layer_kinds)
     metas = _metas(model)
     out: dict[str, Target] = {}

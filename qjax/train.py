@@ -31,7 +31,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from . import gdn
 from .config import LINEAR
 from .moe import route
 from .model import Qwen3_5MoeForCausalLM
