@@ -113,12 +113,14 @@ def quantization_config(model) -> dict | None:
                 groups.setdefault(_scheme(metas[rel]), []).append(stem + rel)
             else:
                 ignore.append(stem + rel)
+        # either side of the stacked experts may be dense (not listed: targets are explicit module names)
         if "mlp.experts.gate_up_proj" in metas:
             sch = _scheme(metas["mlp.experts.gate_up_proj"])
-            dn = _scheme(metas["mlp.experts.down_proj"])
             for e in range(cfg.num_experts):
                 groups.setdefault(sch, []).extend(f"{stem}mlp.experts.{e}.{p}" for p in ("gate_proj", "up_proj"))
-                groups.setdefault(dn, []).append(f"{stem}mlp.experts.{e}.down_proj")
+        if "mlp.experts.down_proj" in metas:
+            dn = _scheme(metas["mlp.experts.down_proj"])
+            groups.setdefault(dn, []).extend(f"{stem}mlp.experts.{e}.down_proj" for e in range(cfg.num_experts))
     if quant.lm_head is not None:
         groups.setdefault(_scheme(quant.lm_head), []).append("lm_head")
     else:

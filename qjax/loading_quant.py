@@ -7,6 +7,8 @@ FORMATS.md §2 recommends. A module whose tensors and config disagree is an erro
 
 from __future__ import annotations
 
+import dataclasses
+
 from qjax.config import FULL, LINEAR, TextConfig
 from qjax.kernels import QuantMeta
 from qjax.quant.config import QuantizationConfig, WeightScheme
@@ -97,9 +99,11 @@ def plan_quantization(cfg: TextConfig, qc: QuantizationConfig | None, keys: set[
             fmt = _stored_format(stem + rel, keys, dtype_of)
             if fmt is not None:
                 entries[rel] = _meta(stem + rel, scheme(stem + rel), fmt, out_in, scale_dtype(stem + rel), source)
-        experts = _expert_metas(cfg, stem, keys, dtype_of, scheme, scale_dtype, source)
-        if experts is not None:
-            entries["mlp.experts.gate_up_proj"], entries["mlp.experts.down_proj"] = experts
+        gate_up, down = _expert_metas(cfg, stem, keys, dtype_of, scheme, scale_dtype, source)
+        if gate_up is not None:
+            entries["mlp.experts.gate_up_proj"] = gate_up
+        if down is not None:
+            entries["mlp.experts.down_proj"] = down
         layers.append(tuple(sorted(entries.items())))
 
     lm_head = None
@@ -127,9 +131,11 @@ def plan_quantization(cfg: TextConfig, qc: QuantizationConfig | None, keys: set[
 
 
 def _expert_metas(cfg, stem, keys, dtype_of, scheme, scale_dtype, source):
-    """Metas of a layer's stacked ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, or None if dense.
+    """Metas of a layer's stacked ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, each None if dense.
 
-    Stacking needs one scheme for all experts of the layer (and the same for gate and up).
+    Stacking needs one scheme (or none) for every expert's gate and up projections, and one for every down
+    projection; the two sides may differ (a quantized gate/up beside a dense down is what auto-round writes when
+    the intermediate size is not a multiple of the group size).
     """
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     found: dict[tuple, list[str]] = {}
@@ -146,14 +152,11 @@ def _expert_metas(cfg, stem, keys, dtype_of, scheme, scale_dtype, source):
     sigs = {k for k in found}
     gate_up = {s for (is_down, s) in sigs if not is_down}
     down = {s for (is_down, s) in sigs if is_down}
-    if gate_up == {None} and down == {None}:
-        return None
-    if len(gate_up) != 1 or len(down) != 1 or None in gate_up or None in down:
+    if len(gate_up) != 1 or len(down) != 1:
         detail = "; ".join(f"{'dense' if s is None else s[1].fmt + str(s[1].bits)}: {names[0]} (+{len(names) - 1})"
                            for (_, s), names in found.items())
-        raise QuantLoadError(f"{stem}mlp.experts: every expert projection of a layer must share one quantization "
-                             f"scheme (gate and up included) to be stacked; found {detail}")
-    gu = next(iter(gate_up))[1]
-    dn = next(iter(down))[1]
-    import dataclasses
-    return dataclasses.replace(gu, out_features=2 * inter), dn
+        raise QuantLoadError(f"{stem}mlp.experts: the experts of a layer are stacked, so every gate and up projection "
+                             f"must share one quantization scheme (or all be dense), and likewise every down "
+                             f"projection; found {detail}")
+    gu, dn = next(iter(gate_up)), next(iter(down))
+    return (None if gu is None else dataclasses.replace(gu[1], out_features=2 * inter)), (None if dn is None else dn[1])

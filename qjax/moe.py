@@ -49,9 +49,10 @@ class SparseMoeBlock(nnx.Module):
         h, std, quant = cfg.hidden_size, cfg.initializer_range, quant or {}
         self.top_k = cfg.num_experts_per_tok
         self.gate = Linear(h, cfg.num_experts, dtype=dtype, std=std, rngs=rngs)  # router: never quantized
-        if "mlp.experts.gate_up_proj" in quant:
-            self.experts = QuantExperts(cfg.num_experts, quant["mlp.experts.gate_up_proj"],
-                                        quant["mlp.experts.down_proj"])
+        if "mlp.experts.gate_up_proj" in quant or "mlp.experts.down_proj" in quant:
+            self.experts = QuantExperts(cfg.num_experts, quant.get("mlp.experts.gate_up_proj"),
+                                        quant.get("mlp.experts.down_proj"), hidden=h,
+                                        inter=cfg.moe_intermediate_size, dtype=dtype)
         else:
             self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size, dtype=dtype, std=std, rngs=rngs)
         self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, dtype=dtype, std=std, rngs=rngs,

@@ -126,6 +126,35 @@ def test_packed_model_equals_fake_quant(tuned, calib):
     np.testing.assert_allclose(np.asarray(qmodel(ids)), np.asarray(fake), atol=1e-4, rtol=0)
 
 
+def test_experts_half_quantized_when_group_does_not_divide(base, calib, tmp_path, caplog):
+    """W4G64 on a model with moe_intermediate_size 32: gate/up (input 64) are quantized, every down_proj (input 32)
+    stays dense, as auto-round leaves it. The mixed expert stack computes the fake-quant model, is written with
+    only gate/up as targets, and loads back to the same logits."""
+    model = qjax.load_model(base[0], dtype=jnp.float32)
+    with caplog.at_level(logging.WARNING, logger="qjax.autoround"):
+        ar = AutoRound(model, calib, _config(bits=4, group_size=64, layer_config={}, iters=0, disable_opt_rtn=True),
+                       progress=False)
+    partial = [r.message for r in caplog.records if "not a multiple of group_size" in r.message]
+    assert len(partial) == 1 and partial[0].startswith("36 layers with in_features 32"), partial  # (8 + 1) × 4
+    ar.run()
+    assert all("mlp.experts.up_proj" in r and "mlp.experts.down_proj" not in r for r in ar.results.values())
+    qmodel = ar.quantized_model()
+    ids = jnp.asarray(calib[:2])
+    h, ctx = model.embed(ids), ar._ctx(2)
+    for i, layer in enumerate(ar.layers):
+        fq = ar._apply_results(layer, i)
+        h = blocks.layer_apply(*_split(fq), blocks.weights_of(fq), h, ctx)
+    fake = np.asarray(model.logits_from_hidden(model.norm(h)))
+    got = np.asarray(qmodel(ids))
+    np.testing.assert_allclose(got, fake, atol=1e-4, rtol=0)
+    out = save_pretrained(qmodel, tmp_path / "mixed")
+    targets = set().union(*_targets(json.load(open(os.path.join(out, "config.json")))["quantization_config"]).values())
+    assert "model.layers.0.mlp.experts.3.up_proj" in targets
+    assert not any(t.endswith("down_proj") for t in targets)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in read_tensors(out)
+    np.testing.assert_array_equal(np.asarray(qjax.load_model(out, dtype=jnp.float32)(ids)), got)
+
+
 def _split(layer):
     from flax import nnx
 

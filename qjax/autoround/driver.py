@@ -205,11 +205,16 @@ class AutoRound:
         done = prog.load(self) if self.resume else 0
         if not self.resume and self.progress_dir:
             prog.start(self)
-        h = self.model.embed(jnp.asarray(self.ids))
+        # plain RTN (iters 0, no imatrix, no KV scales) needs no calibration forward at all, as in auto-round
+        streams = self._needs_streams()
+        h = self.model.embed(jnp.asarray(self.ids)) if streams else None
         fp_in = q_in = h
-        n_layers = len(self.layers)
         for i, layer in enumerate(self.layers):
             t0 = time.perf_counter()
+            if not streams:
+                if i >= done:
+                    self._rtn_block(i, layer, t0)
+                continue
             fp_out = self._forward(layer, fp_in)
             if i < done:
                 qlayer = self._apply_results(layer, i)
@@ -217,8 +222,7 @@ class AutoRound:
                 fp_in = fp_out
                 continue
             kind = self.mcfg.layer_types[i]
-            units = [(u, self.unit_scheme(i, u)) for u in blocks.layer_units(self.mcfg, kind)]
-            units = [(u, s) for u, s in units if s.quantized]
+            units = self._block_units(i)
             report = BlockReport(index=i, kind=kind, units=len(units))
             x_in = q_in if self.cfg.enable_quanted_input else fp_in
             imatrix = self._imatrix(layer, fp_in, units) if self._needs_imatrix(units) else {}
@@ -230,16 +234,36 @@ class AutoRound:
             if self.cfg.static_kv_dtype and kind == FULL:
                 self.kv_scales[i] = self._kv_scales(qlayer, q_in)
             fp_in, q_in = fp_out, q_out
-            report.seconds = time.perf_counter() - t0
-            self.reports.append(report)
-            if self.progress_dir:
-                prog.save_block(self, i)
-            if self.on_block:
-                self.on_block(report)
-            logger.info("block %d/%d (%s): %d units, loss iter 0 %s -> best %s (iter %s), %.1f s", i + 1, n_layers,
-                        kind, report.units, _fmt(report.init_loss), _fmt(report.best_loss), report.best_iter,
-                        report.seconds)
+            self._finish_block(report, t0)
         return self.results
+
+    def _needs_streams(self) -> bool:
+        if self.cfg.iters > 0 or self.cfg.static_kv_dtype:
+            return True
+        return any(self._needs_imatrix(self._block_units(i)) for i in range(len(self.layers)))
+
+    def _block_units(self, i: int) -> list[tuple[blocks.Unit, Scheme]]:
+        units = [(u, self.unit_scheme(i, u)) for u in blocks.layer_units(self.mcfg, self.mcfg.layer_types[i])]
+        return [(u, s) for u, s in units if s.quantized]
+
+    def _rtn_block(self, i: int, layer, t0: float) -> None:
+        units = self._block_units(i)
+        report = BlockReport(index=i, kind=self.mcfg.layer_types[i], units=len(units))
+        self.results[i], _ = self._quantize_block(i, layer, units, None, None, {})
+        self._finish_block(report, t0)
+
+    def _finish_block(self, report: BlockReport, t0: float) -> None:
+        from . import progress as prog
+
+        report.seconds = time.perf_counter() - t0
+        self.reports.append(report)
+        if self.progress_dir:
+            prog.save_block(self, report.index)
+        if self.on_block:
+            self.on_block(report)
+        logger.info("block %d/%d (%s): %d units, loss iter 0 %s -> best %s (iter %s), %.1f s", report.index + 1,
+                    len(self.layers), report.kind, report.units, _fmt(report.init_loss), _fmt(report.best_loss),
+                    report.best_iter, report.seconds)
 
     # -- one block ----------------------------------------------------------------------------------------------------
     def _quantize_block(self, i, layer, units, x_in, fp_out, imatrix):

@@ -184,6 +184,7 @@ def resolve(names: dict[str, tuple[int, int]], base: Scheme, layer_config: dict[
         except re.error as e:
             raise LayerConfigError(f"--layer_config pattern {pat!r} is not a valid regex: {e}") from None
     hits = {pat: 0 for pat in layer_config}
+    partial: dict[tuple[int, int], list[str]] = {}  # (in_features, group) → layers left unquantized for it
     out: dict[str, Scheme] = {}
     for name, (n_out, n_in) in names.items():
         s = base
@@ -199,9 +200,12 @@ def resolve(names: dict[str, tuple[int, int]], base: Scheme, layer_config: dict[
         gs = 32 if s.is_mxfp8 else s.group_size
         if s.quantized and gs > 0 and n_in % gs:
             # auto-round pads the last group; compressed-tensors and vLLM cannot store a partial group
-            logger.warning("%s: in_features %d is not a multiple of group_size %d, left unquantized", name, n_in, gs)
+            partial.setdefault((n_in, gs), []).append(name)
             s = dataclasses.replace(s, bits=16)
         out[name] = s
+    for (n_in, gs), which in partial.items():  # one line per shape, not one per expert
+        logger.warning("%d layers with in_features %d (not a multiple of group_size %d) are left unquantized: %s",
+                       len(which), n_in, gs, ", ".join(which[:3]) + (", …" if len(which) > 3 else ""))
     for pat, n in hits.items():
         if n == 0:
             logger.warning("--layer_config pattern %r matches no quantizable layer", pat)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.kernels import QuantMeta, moe_experts, qmatmul
+from qjax.kernels import QuantMeta, moe_experts, qmatmul, routed_experts
+from qjax.kernels.reference import dequantize_experts
 
 
 class Packed(nnx.Variable):
@@ -50,15 +51,40 @@ class QuantLinear(PackedWeight):
 
 
 class QuantExperts(nnx.Module):
-    """Drop-in for :class:`qjax.moe.Experts`: ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` packed."""
+    """Drop-in for :class:`qjax.moe.Experts`: ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` packed.
 
-    def __init__(self, num_experts: int, gate_up: QuantMeta, down: QuantMeta):
-        self.gate_up_proj = PackedWeight(gate_up, lead=(num_experts,))
-        self.down_proj = PackedWeight(down, lead=(num_experts,))
+    One side may stay dense (its meta None, a plain ``nnx.Param``): auto-round and llm-compressor leave a projection
+    in float when its input dimension is not a multiple of the group size (W4G128 on a model with I = 64 quantizes
+    gate/up but not down). Such a mixed layer runs the plain-JAX path (dequantize the routed experts, then matmul);
+    layers packed on both sides go through the kernel entry point.
+    """
+
+    def __init__(self, num_experts: int, gate_up: QuantMeta | None, down: QuantMeta | None, *, hidden: int,
+                 inter: int, dtype):
+        if gate_up is None and down is None:
+            raise ValueError("QuantExperts needs at least one packed projection (use qjax.moe.Experts)")
+        self.gate_up_proj = (PackedWeight(gate_up, lead=(num_experts,)) if gate_up is not None
+                             else nnx.Param(jnp.zeros((num_experts, 2 * inter, hidden), dtype)))
+        self.down_proj = (PackedWeight(down, lead=(num_experts,)) if down is not None
+                          else nnx.Param(jnp.zeros((num_experts, hidden, inter), dtype)))
 
     def __call__(self, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:
-        return moe_experts(x, idx, weights, (*self.gate_up_proj.arrays(), self.gate_up_proj.meta),
-                           (*self.down_proj.arrays(), self.down_proj.meta))
+        gu, dn = self.gate_up_proj, self.down_proj
+        if isinstance(gu, PackedWeight) and isinstance(dn, PackedWeight):
+            return moe_experts(x, idx, weights, (*gu.arrays(), gu.meta), (*dn.arrays(), dn.meta))
+        return routed_experts(x, idx, weights, _expert_weights(gu, x.dtype), _expert_weights(dn, x.dtype),
+                              num_experts=weights_count(gu))
+
+
+def _expert_weights(w, dtype):
+    """``sel → dense [*sel.shape, N, K]`` weights (all experts when sel is None) of a packed or dense stack."""
+    if isinstance(w, PackedWeight):
+        return lambda sel: dequantize_experts(*w.arrays(), w.meta, sel, dtype)
+    return lambda sel: w[...] if sel is None else w[...][sel]
+
+
+def weights_count(w) -> int:
+    return (w.weight_packed if isinstance(w, PackedWeight) else w).shape[0]
 
 
 def fake_quant_fp8(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
