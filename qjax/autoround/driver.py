@@ -424,17 +424,14 @@ def _optimizer(lrs: tuple, iters: int) -> optax.GradientTransformation:
                           lr_minmax={k: v[1] for k, v in lrs})
 
 
-@functools.lru_cache(maxsize=64)
-def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max, lrs, iters):
-    """The jitted ``chunk``-iteration tuning step of one block structure (cached: identical layers share it).
+def block_loss(graphdef, tun_schemes: dict[str, Scheme], units: tuple, *, filter_top: bool, scale_dtype: str):
+    """The tuning loss of one block as a function of its rounding parameters.
 
-    Carry: (params, opt_state, best loss, best params, iteration, best iteration); ``idxs [k, B]`` are the
-    minibatches. Each iteration clamps α/β, evaluates the loss on the clamped params (iteration 0 is RTN), keeps
-    them if best so far, and takes one sign-SGD step.
+    ``loss(params, state, weights, consts, fixed, x, ref, ctx, mask)``: every tunable unit's weight is replaced by
+    its fake-quantized ``qdq(fixed[name], params[name], consts[name])`` (MXFP8 units by their RTN), the layer
+    ``graphdef``/``state`` runs on ``x [B, T, H]``, and the result is ``mean((out·mask − ref·mask)²)`` in fp32
+    (auto-round's token-masked MSE; with ``filter_top`` the 0.1 % largest errors are dropped).
     """
-    alpha_max = dict(alpha_max)
-    opt = _optimizer(lrs, iters)
-    tun_schemes = {u.name: s for u, s in tun}
     qcfg = AutoRoundConfig(scale_dtype=scale_dtype)
 
     def loss_fn(params, state, weights, consts, fixed, x, ref, ctx, mask):
@@ -451,6 +448,22 @@ def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max
             kth = jax.lax.top_k(a, max(1, a.size // 1000))[0][-1]
             d = jnp.where(jnp.abs(d) >= kth, 0.0, d)
         return jnp.mean(d * d)
+
+    return loss_fn
+
+
+@functools.lru_cache(maxsize=64)
+def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max, lrs, iters):
+    """The jitted ``chunk``-iteration tuning step of one block structure (cached: identical layers share it).
+
+    Carry: (params, opt_state, best loss, best params, iteration, best iteration); ``idxs [k, B]`` are the
+    minibatches. Each iteration clamps α/β, evaluates the loss on the clamped params (iteration 0 is RTN), keeps
+    them if best so far, and takes one sign-SGD step.
+    """
+    alpha_max = dict(alpha_max)
+    opt = _optimizer(lrs, iters)
+    loss_fn = block_loss(graphdef, {u.name: s for u, s in tun}, units, filter_top=filter_top,
+                         scale_dtype=scale_dtype)
 
     def one(carry, idx, state, weights, consts, fixed, x_in, fp_out, ctx, mask):
         params, opt_state, best, best_params, it, best_it = carry
