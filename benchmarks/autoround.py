@@ -1,10 +1,14 @@
 """AutoRound side by side: auto-round 0.16.1 (PyTorch, CPU) and qjax.autoround on the same model, data and options.
 
-One seeded transformers ``Qwen3_5MoeForCausalLM`` (the ``mid`` config of cpu_speed.py: hidden 512, 8 layers
-[lin, lin, lin, full] × 2, 32 experts top-4, expert/shared intermediate 256) is saved in bf16 with a word-level
-tokenizer; a JSON list of random-word documents (each longer than seqlen) is the calibration set. Both tools quantize
-it with W4A16 g128 and 2-bit g64 experts (seed 000's recipe), ``iters``, ``nsamples``, ``seqlen``, ``batch_size``
-given on the command line (defaults: AUTOROUND.md's anchor, 50 / 32 / 256 / 8), and write llm_compressor folders.
+Models (``--config``):
+- ``default``: the built-in trained model (qjax/assets/default: hidden 256, 8 layers, 4 experts top-2), with
+  consecutive ``seqlen + 48``-token windows of its calib.txt as a JSON list of documents; W4A16 g64 + int2 g64
+  experts (g64 because its intermediate size is 64); held-out yardstick: 8 × 256 tokens of its heldout.txt.
+- ``mid``: a seeded random transformers ``Qwen3_5MoeForCausalLM`` of cpu_speed.py's ``mid`` config (hidden 512,
+  8 layers [lin, lin, lin, full] × 2, 32 experts top-4, expert/shared intermediate 256; AUTOROUND.md's anchor), bf16,
+  word-level tokenizer, random Zipf-word documents; W4A16 g128 + int2 g64 experts (seed 000's recipe).
+Both tools read the same JSON file with the same ``iters``, ``nsamples``, ``seqlen``, ``batch_size`` (defaults:
+AUTOROUND.md's anchor, 50 / 32 / 256 / 8) and write llm_compressor folders.
 
 Reported per block: wall time (auto-round: between its successive "loss iter 0 … -> iter k …" log lines; qjax: its
 own block reports, compile included in the first block of each kind) and the block's loss at iteration 0 (RTN) and
@@ -42,9 +46,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_speed import RESULTS, config_dict, write_section  # noqa: E402
 
 SECTION = "## AutoRound: qjax vs auto-round (issue 5)"
+MODEL_TEXT = {"default": "the built-in trained model (qjax/assets/default, bf16), calibration windows of its calib.txt"}
 TARGET = 0.5
 RECIPES = {  # config → (group size of the 4-bit layers, group size of the 2-bit experts): groups must divide dims
-    "mid": (128, 64), "tiny": (32, 32)}
+    "default": (64, 64), "mid": (128, 64), "tiny": (32, 32)}
 
 
 def words(vocab: int) -> list[str]:
@@ -52,6 +57,15 @@ def words(vocab: int) -> list[str]:
 
 
 def write_model(folder: str, config: str) -> None:
+    """``default``: a copy of the built-in trained model (real text statistics, real losses); else a seeded random
+    model of cpu_speed.py's config with a word-level tokenizer."""
+    if config == "default":
+        import shutil
+
+        from qjax.builtin import default_model_dir
+
+        shutil.copytree(default_model_dir(), folder)
+        return
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
@@ -68,7 +82,22 @@ def write_model(folder: str, config: str) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", unk_token="[UNK]").save_pretrained(folder)
 
 
-def write_calibration(path: str, n: int, length: int, vocab: int, seed: int = 0) -> None:
+def write_calibration(path: str, n: int, length: int, vocab: int, seed: int = 0, model_dir: str | None = None) -> None:
+    """A JSON list of ``n`` documents of ≥ ``length`` tokens: consecutive windows of the built-in model's calib.txt
+    (decoded back to text) when ``model_dir`` is given, else random Zipf-distributed words."""
+    if model_dir is not None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        with open(os.path.join(model_dir, "calib.txt"), encoding="utf-8") as f:
+            ids = tok.encode(f.read()).ids
+        step = length + 16  # re-encoding a decoded window can merge a few tokens: keep a margin over seqlen
+        if len(ids) < n * step:
+            raise SystemExit(f"calib.txt has {len(ids)} tokens, fewer than {n} × {step}")
+        docs = [tok.decode(ids[i * step:(i + 1) * step]) for i in range(n)]
+        with open(path, "w") as f:
+            json.dump(docs, f)
+        return
     r = random.Random(seed)
     ws = words(vocab)
     # Zipf-like word frequencies so that routing is uneven, as with real text
@@ -143,19 +172,35 @@ def run_qjax(base: str, calib: str, out: str, a) -> dict:
             "best": [r.best_loss for r in ar.reports], "best_iter": [r.best_iter for r in ar.reports]}
 
 
-def logit_mse(base: str, folder: str, ids: np.ndarray) -> float:
+def held_ids(base: str, config: str, vocab: int) -> np.ndarray:
+    """Held-out ids ``[n, 256]``: the built-in model's heldout.txt (8 windows), else random ids."""
+    if config != "default":
+        return np.random.default_rng(1).integers(0, vocab - 2, (2, 128)).astype(np.int32)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(base, "tokenizer.json"))
+    with open(os.path.join(base, "heldout.txt"), encoding="utf-8") as f:
+        ids = tok.encode(f.read()).ids
+    return np.asarray(ids[:8 * 256], np.int32).reshape(8, 256)
+
+
+def logit_mse(base: str, folder: str, ids: np.ndarray) -> tuple[float, float]:
+    """(final-logit MSE vs the unquantized model, perplexity of ``ids``) of the checkpoint in ``folder``."""
+    import jax
     import jax.numpy as jnp
 
     import qjax
 
     ref = np.asarray(qjax.load_model(base, dtype=jnp.float32)(ids))
-    got = np.asarray(qjax.load_model(folder, dtype=jnp.float32)(ids))
-    return float(np.mean((got - ref) ** 2))
+    got = qjax.load_model(folder, dtype=jnp.float32)(ids)
+    logp = jax.nn.log_softmax(got[:, :-1].astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, jnp.asarray(ids[:, 1:, None]), axis=-1).mean()
+    return float(np.mean((np.asarray(got) - ref) ** 2)), float(np.exp(nll))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="mid", choices=sorted(RECIPES))
+    ap.add_argument("--config", default="default", choices=sorted(RECIPES))
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=256)
@@ -171,17 +216,20 @@ def main() -> None:
         os.environ["AR_DISABLE_DATASET_SUBPROCESS"] = "1"
         base = os.path.join(tmp, "base")
         write_model(base, a.config)
-        vocab = config_dict(a.config)["vocab_size"]
+        with open(os.path.join(base, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
         calib = os.path.join(tmp, "calib.json")
-        write_calibration(calib, a.nsamples + 8, a.seqlen + 32, vocab)
-        held = np.random.default_rng(1).integers(0, vocab - 2, (2, 128)).astype(np.int32)
+        write_calibration(calib, a.nsamples + 8, a.seqlen + 32, vocab,
+                          model_dir=base if a.config == "default" else None)
+        held = held_ids(base, a.config, vocab)
         runs = {"auto-round": [], "qjax": []}
         for rep in range(a.repeats):
             # interleaved, so background load hits both alike
             runs["auto-round"].append(run_auto_round(base, calib, os.path.join(tmp, f"ar{rep}"), a))
             runs["qjax"].append(run_qjax(base, calib, os.path.join(tmp, f"qj{rep}"), a))
         mse = {"auto-round": logit_mse(base, _folder(os.path.join(tmp, "ar0")), held),
-               "qjax": logit_mse(base, os.path.join(tmp, "qj0"), held)}
+               "qjax": logit_mse(base, os.path.join(tmp, "qj0"), held),
+               "bf16_ppl": logit_mse(base, base, held)[1], "ids_shape": held.shape}
     text = report(runs, mse, a)
     print(text)
     if not a.no_write:
@@ -205,13 +253,15 @@ def report(runs: dict, mse: dict, a) -> str:
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, {os.cpu_count()} CPU cores "
              f"(shared), {platform.python_version()}",
              f"- command: `python benchmarks/autoround.py {shlex.join(sys.argv[1:])}`",
-             f"- model: cpu_speed.py `{a.config}` config in bf16; recipe W4A16 g{RECIPES[a.config][0]} + "
+             f"- model: {MODEL_TEXT.get(a.config, f'cpu_speed.py `{a.config}` config, seeded random, in bf16')}; recipe W4A16 g{RECIPES[a.config][0]} + "
              f"int2 g{RECIPES[a.config][1]} experts; iters {a.iters}, nsamples {a.nsamples}, seqlen {a.seqlen}, batch {a.batch_size}; "
              f"median of {a.repeats} run(s) per tool",
              f"- total tuning time: auto-round {ar_t:.1f} s, qjax {qj_t:.1f} s → **qjax/auto-round = {ratio:.2f}** "
              f"(target ≤ {TARGET}: {'MET' if ratio <= TARGET else 'MISSED'})",
-             f"- final-logit MSE vs the bf16 model on held-out ids: auto-round {mse['auto-round']:.3e}, "
-             f"qjax {mse['qjax']:.3e}", "",
+             f"- final-logit MSE vs the bf16 model on held-out ids {list(mse['ids_shape'])}: auto-round "
+             f"{mse['auto-round'][0]:.3e}, qjax {mse['qjax'][0]:.3e}; perplexity of those ids: BF16 "
+             f"{mse['bf16_ppl']:.2f}, auto-round {mse['auto-round'][1]:.2f}, qjax {mse['qjax'][1]:.2f} (the same "
+             "qjax code scores both folders)", "",
              "| block | auto-round s | qjax s | auto-round loss it0 → best | qjax loss it0 → best |",
              "|---|---|---|---|---|"]
     n = max(len(ar0["best"]), len(qj0["best"]))

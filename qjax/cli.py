@@ -28,6 +28,11 @@ DEMO_CONFIG = {
 }
 
 
+# modules that add subcommands of their own: each defines ``register(subparsers)`` (commands whose code is more than a
+# thin wrapper live beside the library code they drive)
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
@@ -161,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     from qjax.autoround.api import add_arguments, cli as quantize_cli
     add_arguments(q)
     q.set_defaults(func=quantize_cli)
+    import importlib
+
+    for name in COMMAND_MODULES:  # each adds its subcommand(s): register(subparsers)
+        importlib.import_module(name).register(sub)
     return p
 
 
