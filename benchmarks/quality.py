@@ -116,8 +116,9 @@ def main(argv=None) -> int:
              f"{a.batch_size}; AutoRound iters {a.iters}, otherwise auto-round 0.16.1's defaults",
              "- one run each (deterministic: fixed seeds, single-threaded XLA:CPU); time = calibration + tuning, "
              "on this machine's 2 cores",
-             "- units the scheme cannot quantize stay BF16, as in auto-round: a layer whose input dimension is not "
-             "a multiple of the group size (W4G128: the experts' down_proj, input 64) or of 32; router, "
+             "- units the scheme cannot quantize stay BF16: a dimension not a multiple of 32 (auto-round's rule), or "
+             "an input dimension not a multiple of the group size (W4G128: every down_proj, input 64; auto-round "
+             "would pad the last group, which compressed-tensors cannot store); router, "
              "shared_expert_gate, norms, embeddings and lm_head are never quantized", "",
              f"BF16 perplexity: **{bf16:.3f}**", "",
              "| scheme | method | iters | held-out ppl | × BF16 | seconds | units (matrices) quantized |",
