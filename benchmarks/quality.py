@@ -115,7 +115,7 @@ def main(argv=None) -> int:
              f"{a.seqlen}-token windows; calibration: {a.nsamples} × {a.seqlen} tokens of calib.txt; batch "
              f"{a.batch_size}; AutoRound iters {a.iters}, otherwise auto-round 0.16.1's defaults",
              "- one run each (deterministic: fixed seeds, single-threaded XLA:CPU); time = calibration + tuning, "
-             "on this machine's 2 cores",
+             "on this machine's 2 cores (shared with whatever else runs: indicative)",
              "- units the scheme cannot quantize stay BF16: a dimension not a multiple of 32 (auto-round's rule), or "
              "an input dimension not a multiple of the group size (W4G128: every down_proj, input 64; auto-round "
              "would pad the last group, which compressed-tensors cannot store); router, "
