@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterator
 
 import jax
@@ -271,7 +272,7 @@ def _default_dtype_from(embed_dtype: str | None, cfg: TextConfig):
     return {"bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(str(cfg.dtype), jnp.float32)
 
 
-def load_model(path: str | os.PathLike, *, dtype=None) -> Qwen3_5MoeForCausalLM:
+def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = None) -> Qwen3_5MoeForCausalLM:
     """Load a HF ``qwen3_5_moe`` / ``qwen3_5_moe_text`` checkpoint folder (dense, compressed-tensors, or auto-round
     ``quant_method: "auto-round"`` INT packing, converted to compressed-tensors' layout at load).
 
@@ -279,6 +280,8 @@ def load_model(path: str | os.PathLike, *, dtype=None) -> Qwen3_5MoeForCausalLM:
       path: folder with ``config.json`` and ``model.safetensors`` or sharded files + ``model.safetensors.index.json``.
       dtype: parameter/activation dtype (e.g. ``jnp.bfloat16``); default: the checkpoint's float dtype.
         ``A_log`` and ``dt_bias`` stay float32 whatever is asked.
+      progress: a tqdm bar over the tensors on stderr; None = only for checkpoints over 256 MiB when stderr is a
+        terminal.
     Raises:
       ConfigError, SafetensorsError, LoadError — each naming the file and the tensor or field at fault.
     """
@@ -292,14 +295,14 @@ def load_model(path: str | os.PathLike, *, dtype=None) -> Qwen3_5MoeForCausalLM:
             qc, view = autoround
         else:
             qc, view = QuantizationConfig.from_config_json(os.path.join(path, "config.json")), ckpt
-        model = _load(cfg, qc, view, dtype)
+        model = _load(cfg, qc, view, dtype, progress=progress)
     finally:
         ckpt.close()
     model.generation_config = GenerationConfig.from_folder(path)
     return model
 
 
-def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype) -> Qwen3_5MoeForCausalLM:
+def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype, *, progress: bool | None = False) -> Qwen3_5MoeForCausalLM:
     keys = ckpt.keys()
     prefix = _text_prefix(keys)
     skipped = [k for k in keys if k.startswith(SKIPPED_PREFIXES)]
@@ -316,7 +319,7 @@ def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype) -> Qwen3_5MoeForCausalLM
     _check(ckpt, targets, set(skipped))
 
     buffers: dict[tuple, jnp.ndarray] = {}
-    for key in _ordered(ckpt, targets):
+    for key in _progress(_ordered(ckpt, targets), ckpt, targets, progress):
         t = targets[key]
         arr = _transform(ckpt, key, t)
         if t.path is None:
@@ -335,6 +338,25 @@ def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype) -> Qwen3_5MoeForCausalLM
     for p, v in flat:
         v.set_value(buffers[tuple(p)]) if hasattr(v, "set_value") else setattr(v, "value", buffers[tuple(p)])
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _progress(keys: Iterator[str], ckpt: Checkpoint, targets: dict, progress: bool | None) -> Iterator[str]:
+    if progress is None:
+        progress = sys.stderr.isatty() and _folder_bytes(ckpt.folder) > (256 << 20)
+    if not progress:
+        return keys
+    from tqdm.auto import tqdm
+
+    n = sum(1 for k in ckpt.keys() if k in targets)
+    return iter(tqdm(keys, total=n, desc=f"loading {os.path.basename(os.path.normpath(ckpt.folder))}", unit="tensor",
+                     leave=False, file=sys.stderr))
+
+
+def _folder_bytes(folder) -> int:
+    try:
+        return sum(e.stat().st_size for e in os.scandir(folder) if e.name.endswith(".safetensors"))
+    except (OSError, TypeError):  # in-memory checkpoints have no folder
+        return 0
 
 
 def _transform(ckpt: Checkpoint, key: str, t: Target) -> np.ndarray | None:
