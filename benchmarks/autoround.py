@@ -10,6 +10,9 @@ Models (``--config``):
 Both tools read the same JSON file with the same ``iters``, ``nsamples``, ``seqlen``, ``batch_size`` (defaults:
 AUTOROUND.md's anchor, 50 / 32 / 256 / 8) and write llm_compressor folders.
 
+auto-round runs eager: its default torch.compile path on CPU (torch 2.13 inductor) logs NaN for every block's loss on
+this architecture, so it cannot be the baseline.
+
 Reported per block: wall time (auto-round: between its successive "loss iter 0 … -> iter k …" log lines; qjax: its
 own block reports, compile included in the first block of each kind) and the block's loss at iteration 0 (RTN) and
 its best loss — both tools log the same quantity, token-masked MSE / valid tokens of that iteration's minibatch.
@@ -142,7 +145,10 @@ def run_auto_round(base: str, calib: str, out: str, a) -> dict:
     gs, egs = RECIPES[a.config]
     ar = AutoRound(model, tokenizer=tok, scheme="W4A16", bits=4, group_size=gs, iters=a.iters, nsamples=a.nsamples,
                    seqlen=a.seqlen, batch_size=a.batch_size, dataset=calib,
-                   layer_config={".*experts.*": {"bits": 2, "group_size": egs}})
+                   layer_config={".*experts.*": {"bits": 2, "group_size": egs}},
+                   # torch.compile (inductor, CPU, torch 2.13) turns every block's loss into NaN on this architecture
+                   # ("bf16 and fp16 are mixed in the scheduler node"); eager gives finite losses
+                   enable_torch_compile=False)
     t0 = time.perf_counter()
     ar.quantize()
     total = time.perf_counter() - t0
