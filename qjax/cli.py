@@ -2,6 +2,7 @@
 
     qjax demo                         random tiny model → HF folder → load → generate (no download)
     qjax generate --model DIR PROMPT  generate from a checkpoint folder (text with its tokenizer.json, or --ids)
+    qjax chat --model DIR             interactive chat through the checkpoint's chat template
     qjax inspect PATH | --config C --recipe R   sizes and predicted device memory
     qjax quantize --model DIR --dataset FILE --output_dir OUT [auto-round flags]   AutoRound → compressed-tensors
 """
@@ -30,7 +31,7 @@ DEMO_CONFIG = {
 
 # modules that add subcommands of their own: each defines ``register(subparsers)`` (commands whose code is more than a
 # thin wrapper live beside the library code they drive)
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("qjax.chat_cli",)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -85,39 +86,9 @@ def cmd_demo(a) -> int:
 
 
 def cmd_generate(a) -> int:
-    import jax.numpy as jnp
+    from qjax.chat_cli import run_generate
 
-    import qjax
-
-    from qjax.builtin import default_model_dir
-
-    a.model = a.model or default_model_dir()
-    model = qjax.load_model(a.model, dtype=jnp.dtype(a.dtype) if a.dtype else None)
-    tok_path = os.path.join(a.model, "tokenizer.json")
-    tokenizer = None
-    if a.ids is not None:
-        ids = np.array([[int(x) for x in a.ids.replace(",", " ").split()]], np.int32)
-    else:
-        if not os.path.exists(tok_path):
-            print(f"error: {tok_path} not found; pass token ids with --ids", file=sys.stderr)
-            return 2
-        from tokenizers import Tokenizer
-        tokenizer = Tokenizer.from_file(tok_path)
-        ids = np.array([tokenizer.encode(a.prompt or "").ids], np.int32)
-    if ids.size == 0:
-        print("error: empty prompt", file=sys.stderr)
-        return 2
-    emitted = []
-    for step in qjax.stream(model, ids, **_sampling_kwargs(a)):
-        tok = int(step[0])
-        emitted.append(tok)
-        if tokenizer is not None:
-            sys.stdout.write(tokenizer.decode([tok]))
-        else:
-            sys.stdout.write(f"{tok} ")
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    return 0
+    return run_generate(a)
 
 
 def cmd_inspect(a) -> int:
@@ -147,10 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, default=48)
     _sampling_args(d)
     d.set_defaults(func=cmd_demo)
-    g = sub.add_parser("generate", help="generate from a HF checkpoint folder")
+    g = sub.add_parser("generate", help="generate from a HF checkpoint folder, streaming the text")
     g.add_argument("--model", default=None,
                    help="checkpoint folder (config.json + safetensors; default: the built-in model)")
     g.add_argument("--ids", default=None, help="prompt as token ids ('1 2 3') instead of text")
+    g.add_argument("--chat", action="store_true", help="render PROMPT as a user message with the chat template")
+    from qjax.chat_cli import add_chat_prompt_arguments
+    add_chat_prompt_arguments(g)
     g.add_argument("prompt", nargs="?", default=None)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)

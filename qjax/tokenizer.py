@@ -1,0 +1,409 @@
+"""Text in and out of a Hugging Face checkpoint folder: ``tokenizer.json`` through the ``tokenizers`` library, the
+chat template rendered the way transformers renders it, and a streaming detokenizer.
+
+    tok = Tokenizer.from_folder("Qwen3.6-35B-A3B")
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], enable_thinking=False)
+    ids = tok.encode(text)                        # list[int]; the template already holds the special tokens
+    dec = tok.stream_decoder()
+    for t in new_ids: print(dec.push(t), end="")  # whole characters only, never half of a UTF-8 sequence
+    print(dec.flush())
+
+Files read, as transformers 5 reads them: ``tokenizer.json`` (required), ``tokenizer_config.json`` (special tokens,
+``added_tokens_decoder``, ``chat_template``), ``chat_template.jinja`` and ``chat_templates/*.jinja`` (which take
+precedence over the config's template), ``generation_config.json`` (its ``eos_token_id`` are stop tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_DIR = "chat_templates"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# the named special tokens transformers passes to every template (``special_tokens_map``)
+SPECIAL_TOKEN_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# ChatML turn ends, stop tokens of every Qwen model whatever the checkpoint's config says
+CHATML_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+# Used when a folder ships no template. Plain ChatML; for vocabularies with Qwen3.5/3.6's think tags the generation
+# prompt opens a thinking block, or closes an empty one when enable_thinking is false, as the official template does.
+CHATML_FALLBACK_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if qjax_think_tags %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+# the messages' alternative names for a reasoning trace; templates read ``reasoning_content`` (transformers aliases)
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer folder or chat template qjax cannot use; the message names the folder or file at fault."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# chat templates: jinja2 set up as transformers' chat_template_utils sets it up
+# ---------------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str):
+    """Compile ``source`` in transformers' sandbox (``ImmutableSandboxedEnvironment``, ``trim_blocks``,
+    ``lstrip_blocks``, loop controls, ``raise_exception``/``strftime_now``/``namespace``/``dict``, JSON ``tojson``)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        # ``{% generation %}…{% endgeneration %}`` marks assistant text for training masks; rendering keeps the body
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        # as transformers: no underscore attributes, which would reach CPython internals
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"templates cannot set underscore attributes ({name!r})")
+
+    class TemplateDict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own filter HTML-escapes and sorts keys; templates expect plain json.dumps
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    return env.from_string(source)
+
+
+def _plain(value):
+    """JSON-like copy of template inputs (the sandbox should only ever see plain data, and callers' messages must not
+    be modified); ``None`` values inside messages are dropped as transformers drops them."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return _plain(value.item())
+    return f"<{type(value).__name__}>"
+
+
+def _normalize_messages(messages: Sequence[Mapping]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise TokenizerError(f"chat message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
+        m = {k: _plain(v) for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# streaming detokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+class StreamDecoder:
+    """Turns token ids pushed one at a time into text pieces whose concatenation is ``decode(all ids)``.
+
+    Byte-level BPE splits multi-byte characters across tokens, so a token alone may decode to U+FFFD; such text is held
+    back until a later token completes the character. Only a short window of recent tokens is re-decoded per push
+    (the window starts where the last emitted text ended, so decoders that treat the first token specially — a
+    leading-space strip — act on both the old and the new decode alike and cancel out).
+    """
+
+    def __init__(self, tokenizer: "Tokenizer", *, skip_special_tokens: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # tokens whose text has been emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the text it completes ('' while a character is still incomplete)."""
+        self.ids.append(int(token_id))
+        return self._advance(final=False)
+
+    def extend(self, token_ids: Iterable[int]) -> str:
+        return "".join(self.push(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the very end decodes to U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        if self._read == len(self.ids):
+            return ""
+        prefix_text = self._tok.decode(self.ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        text = self._tok.decode(self.ids[self._prefix:], skip_special_tokens=self._skip)
+        if not final and (len(text) <= len(prefix_text) or text.endswith("\ufffd")):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(prefix_text):]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the tokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: cannot read ({e})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: ``tokenizers`` for the text ↔ id mapping, jinja2 for the chat template."""
+
+    def __init__(self, backend, *, special_tokens: Mapping[str, str] | None = None,
+                 chat_template: str | Mapping[str, str] | None = None, generation_eos_ids: Sequence[int] = (),
+                 source: str = "<tokenizer>"):
+        """``backend``: a ``tokenizers.Tokenizer``; ``special_tokens``: name → content (``eos_token``, …) as passed to
+        the template; ``chat_template``: one template, or named templates (``default``, ``tool_use``, …)."""
+        self.backend = backend
+        self.special_tokens = dict(special_tokens or {})
+        self.chat_template = chat_template
+        self.source = source
+        self._generation_eos = tuple(int(t) for t in generation_eos_ids)
+
+    # ---- loading ----------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_folder(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Read a HF checkpoint folder's tokenizer files (see the module docstring)."""
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as Backend
+
+        folder = os.fspath(path)
+        if not os.path.isdir(folder):
+            raise TokenizerError(f"{folder}: no such folder")
+        tj = os.path.join(folder, TOKENIZER_FILE)
+        if not os.path.isfile(tj):
+            raise TokenizerError(f"{folder}: no {TOKENIZER_FILE} (the fast-tokenizer file is needed to encode text)")
+        try:
+            backend = Backend.from_file(tj)
+        except Exception as e:  # the tokenizers library raises a bare Exception on malformed files
+            raise TokenizerError(f"{tj}: cannot load ({e})") from None
+
+        cfg = _read_json(os.path.join(folder, CONFIG_FILE)) or {}
+        # tokens transformers adds from the config when tokenizer.json lacks them
+        missing = []
+        for idx, spec in sorted((cfg.get("added_tokens_decoder") or {}).items(), key=lambda kv: int(kv[0])):
+            content = _token_content(spec)
+            if content is not None and backend.token_to_id(content) is None:
+                missing.append(AddedToken(content, single_word=bool(spec.get("single_word", False)),
+                                          lstrip=bool(spec.get("lstrip", False)),
+                                          rstrip=bool(spec.get("rstrip", False)),
+                                          normalized=bool(spec.get("normalized", not spec.get("special", False))),
+                                          special=bool(spec.get("special", False))))
+        if missing:
+            backend.add_tokens(missing)
+
+        # the template variables of transformers' special_tokens_map: the named tokens, model-specific ``*_token`` keys
+        # (image_token, …) and the entries of a dict-valued extra_special_tokens
+        special = {k: _token_content(v) for k, v in cfg.items() if k in SPECIAL_TOKEN_ATTRS or k.endswith("_token")}
+        extra = cfg.get("extra_special_tokens")
+        if isinstance(extra, Mapping):
+            special.update({k: _token_content(v) for k, v in extra.items()})
+        special = {k: v for k, v in special.items() if v is not None}
+
+        templates: dict[str, str] = {}
+        raw = cfg.get("chat_template")
+        if isinstance(raw, str):
+            templates["default"] = raw
+        elif isinstance(raw, list):  # older configs: [{"name": ..., "template": ...}]
+            templates.update({t["name"]: t["template"] for t in raw if isinstance(t, Mapping) and "name" in t})
+        elif raw is not None:
+            raise TokenizerError(f"{os.path.join(folder, CONFIG_FILE)}: chat_template must be a string or a list of "
+                                 f"{{name, template}}, got {type(raw).__name__}")
+        files = {}
+        if os.path.isfile(os.path.join(folder, TEMPLATE_FILE)):
+            files["default"] = os.path.join(folder, TEMPLATE_FILE)
+        tdir = os.path.join(folder, TEMPLATE_DIR)
+        if os.path.isdir(tdir):
+            files.update({n[:-len(".jinja")]: os.path.join(tdir, n) for n in sorted(os.listdir(tdir))
+                          if n.endswith(".jinja")})
+        if files:  # template files replace the config's templates (transformers 5)
+            templates = {}
+            for name, p in files.items():
+                try:
+                    with open(p, encoding="utf-8") as f:
+                        templates[name] = f.read()
+                except (OSError, UnicodeDecodeError) as e:
+                    raise TokenizerError(f"{p}: cannot read the chat template ({e})") from None
+        chat_template = templates.get("default") if set(templates) <= {"default"} else templates
+
+        gen = _read_json(os.path.join(folder, GENERATION_CONFIG_FILE)) or {}
+        eos = gen.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(backend, special_tokens=special, chat_template=chat_template or None, generation_eos_ids=eos,
+                   source=folder)
+
+    # ---- ids ↔ text -------------------------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) become their ids."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, *, skip_special_tokens: bool = False) -> StreamDecoder:
+        """A fresh incremental detokenizer (see :class:`StreamDecoder`)."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """Entries of the vocabulary including added tokens (a model's embedding may have more rows: padding)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def _special_id(self, name: str) -> int | None:
+        content = self.special_tokens.get(name)
+        return None if content is None else self.token_to_id(content)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._special_id("pad_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Ids that end an answer: generation_config's eos ids, the tokenizer's eos, and ChatML's ``<|im_end|>`` and
+        ``<|endoftext|>`` when the vocabulary has them (in that order, without repeats)."""
+        ids = list(self._generation_eos)
+        ids.append(self.eos_token_id)
+        ids.extend(self.token_to_id(t) for t in CHATML_STOP_TOKENS)
+        return list(dict.fromkeys(i for i in ids if i is not None))
+
+    # ---- chat -------------------------------------------------------------------------------------------------------
+    def get_chat_template(self, chat_template: str | None = None, tools=None) -> str:
+        """The template source to render: a named one, the folder's (``tool_use`` when tools are given and it exists),
+        or the ChatML fallback when the folder has none."""
+        own = self.chat_template
+        if isinstance(own, Mapping):
+            if chat_template is not None:
+                return own.get(chat_template, chat_template)
+            if tools is not None and "tool_use" in own:
+                return own["tool_use"]
+            if "default" in own:
+                return own["default"]
+            raise TokenizerError(f"{self.source}: several chat templates ({', '.join(sorted(own))}) and no 'default'; "
+                                 "name one")
+        if chat_template is not None:
+            return chat_template
+        return own if own is not None else CHATML_FALLBACK_TEMPLATE
+
+    def apply_chat_template(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
+                            enable_thinking: bool | None = None, tools=None, chat_template: str | None = None,
+                            **kwargs) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) to the prompt text, as transformers'
+        ``apply_chat_template(..., tokenize=False)`` does.
+
+        ``enable_thinking`` is passed to the template only when set (templates test ``enable_thinking is defined``);
+        other keyword arguments reach the template as variables, next to the special tokens (``eos_token``, …).
+        ``tools`` are JSON-schema dicts (transformers also converts Python functions; qjax does not).
+        """
+        if isinstance(messages, Mapping) or not isinstance(messages, Sequence) or not messages:
+            raise TokenizerError("apply_chat_template needs a non-empty list of messages")
+        source = self.get_chat_template(chat_template, tools)
+        import jinja2
+
+        try:
+            template = _compile_template(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise TokenizerError(f"{self.source}: chat template does not parse (line {e.lineno}: {e.message})") \
+                from None
+        variables = dict(self.special_tokens)
+        if source == CHATML_FALLBACK_TEMPLATE:
+            variables["qjax_think_tags"] = (self.token_to_id("<think>") is not None
+                                            and self.token_to_id("</think>") is not None)
+        if enable_thinking is not None:
+            variables["enable_thinking"] = bool(enable_thinking)
+        variables.update(_plain(kwargs))
+        try:
+            return template.render(messages=_normalize_messages(messages), tools=_plain(tools),
+                                   documents=None, add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"{self.source}: chat template: {e}") from None

@@ -1,0 +1,109 @@
+"""``qjax generate`` and ``qjax chat`` run like a user runs them: the real entry point in a subprocess, the built-in
+model, text streamed to stdout, bad input as one ``error:`` line with status 2, Ctrl-C as status 130."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from qjax.builtin import default_model_dir
+from qjax.chat_cli import render_conversation
+from qjax.tokenizer import Tokenizer
+
+PROMPT_RE = re.compile(r"--- prompt \((\d+) tokens\) ---\n(.*?)\n--- end of prompt ---\n", re.S)
+
+
+def _qjax(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qjax.cli", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _one_error_line(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_generate_streams_text():
+    r = _qjax("generate", "It is a truth universally acknowledged", "--max-new-tokens", "12", "--show-prompt")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.strip()) > 10 and "\ufffd" not in r.stdout
+    n = int(PROMPT_RE.search(r.stderr).group(1))
+    assert n == len(Tokenizer.from_folder(default_model_dir()).encode("It is a truth universally acknowledged"))
+
+
+def test_chat_keeps_history_and_resets():
+    stdin = "Who is Emma?\nAnd her friend Harriet?\n/reset\nGood morning.\n\nnever read: the empty line ended it\n"
+    r = _qjax("chat", "--max-new-tokens", "8", "--system", "You are Jane Austen.", "--show-prompt", stdin=stdin)
+    assert r.returncode == 0, r.stderr
+    prompts = [m.group(2) for m in PROMPT_RE.finditer(r.stderr)]
+    assert len(prompts) == 3 and ">>>" not in r.stdout  # no prompt marker when stdin is a pipe
+    system = "<|im_start|>system\nYou are Jane Austen.<|im_end|>\n"
+    assert prompts[0] == system + "<|im_start|>user\nWho is Emma?<|im_end|>\n<|im_start|>assistant\n"
+    # the second prompt holds the first exchange, with the answer that was streamed to stdout
+    first = re.fullmatch(re.escape(prompts[0]) + r"(.*)<\|im_end\|>\n<\|im_start\|>user\nAnd her friend Harriet\?"
+                         r"<\|im_end\|>\n<\|im_start\|>assistant\n", prompts[1], re.S)
+    assert first is not None, prompts[1]
+    assert r.stdout.startswith(first.group(1) + "\n")
+    # /reset: the third turn starts over
+    assert prompts[2] == system + "<|im_start|>user\nGood morning.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_render_conversation_uses_the_template():
+    tok = Tokenizer.from_folder(default_model_dir())
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+               {"role": "user", "content": "c"}]
+    assert render_conversation(tok, history, system="s") == (
+        "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n"
+        "<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_folder_without_tokenizer_is_a_clear_error(tmp_path):
+    shutil.copy(os.path.join(default_model_dir(), "config.json"), tmp_path)
+    for cmd in (["generate", "--model", str(tmp_path), "hello"], ["chat", "--model", str(tmp_path)]):
+        line = _one_error_line(_qjax(*cmd, stdin=""))
+        assert str(tmp_path) in line and "tokenizer.json" in line
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error():
+    tok = Tokenizer.from_folder(default_model_dir())
+    long = "word " * 5000
+    line = _one_error_line(_qjax("generate", long))
+    assert f"the prompt is {len(tok.encode(long))} tokens" in line
+    assert "context is 4096" in line and "max_position_embeddings" in line
+    # fits alone, not with the answer: the error names what would fit
+    fits = "word " * 4000
+    line = _one_error_line(_qjax("generate", fits, "--max-new-tokens", "200"))
+    n = len(tok.encode(fits))
+    assert f"({n} tokens) plus --max-new-tokens 200 needs {n + 200} positions" in line
+    assert f"use --max-new-tokens {4096 - n} or less" in line
+
+
+def test_max_new_tokens_must_be_positive():
+    line = _one_error_line(_qjax("generate", "hello", "--max-new-tokens", "0"))
+    assert "--max-new-tokens must be at least 1, got 0" in line
+    line = _one_error_line(_qjax("chat", "--max-new-tokens", "-3", stdin="hi\n"))
+    assert "--max-new-tokens must be at least 1, got -3" in line
+
+
+def test_ctrl_c_during_generation_exits_130_without_traceback():
+    p = subprocess.Popen([sys.executable, "-m", "qjax.cli", "generate", "It is a truth", "--no-do-sample",
+                          "--max-new-tokens", "4000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = p.stdout.read1(64)  # blocks until generated text arrives
+        assert first, p.stderr.read()
+        time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err.decode()
+    assert b"Traceback" not in err and err.strip() == b""
+    assert out.endswith(b"\n")
