@@ -153,6 +153,10 @@ def test_experts_half_quantized_when_group_does_not_divide(base, calib, tmp_path
     assert not any(t.endswith("down_proj") for t in targets)
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in read_tensors(out)
     np.testing.assert_array_equal(np.asarray(qjax.load_model(out, dtype=jnp.float32)(ids)), got)
+    from qjax.convert.planner import format_plan, plan_folder
+
+    plan = plan_folder(out)  # `qjax inspect` reads it too
+    assert plan.device_bytes > 0 and "weights" in format_plan(plan, title=out)
 
 
 def _split(layer):
