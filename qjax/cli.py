@@ -31,7 +31,7 @@ DEMO_CONFIG = {
 
 # modules that add subcommands of their own: each defines ``register(subparsers)`` (commands whose code is more than a
 # thin wrapper live beside the library code they drive)
-COMMAND_MODULES: tuple[str, ...] = ("qjax.chat_cli",)
+COMMAND_MODULES: tuple[str, ...] = ("qjax.eval_cli", "qjax.chat_cli")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 
 from .config import LINEAR
+from . import evaluate
 from .moe import route
 from .model import Qwen3_5MoeForCausalLM
 
@@ -229,42 +230,9 @@ def train(model: Qwen3_5MoeForCausalLM, data: Iterator[np.ndarray], tc: TrainCon
 # ---------------------------------------------------------------------------------------------------------------------
 # evaluation
 # ---------------------------------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnums=0)
-def _window_nll(graphdef, state, tokens):
-    model = nnx.merge(graphdef, state)
-    logits = model.forward(tokens[:, :-1]).logits
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.sum(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0], axis=1)  # [B]
-
-
-def mean_nll(model: Qwen3_5MoeForCausalLM, ids, seqlen: int = 256, batch: int = 8) -> tuple[float, int]:
-    """Mean next-token NLL (nats) over ``ids`` cut into windows of ``seqlen + 1`` tokens every ``seqlen`` tokens
-    (each window scores its last ``seqlen`` tokens from its own context only, so every token but the first is scored
-    once; the tail shorter than a window is dropped). Runs the model's inference forward.
-
-    Returns:
-      (mean NLL, number of scored tokens).
-    """
-    ids = np.asarray(ids, np.int32).reshape(-1)
-    n_win = (ids.size - 1) // seqlen
-    if n_win < 1:
-        raise ValueError(f"need at least {seqlen + 1} tokens, got {ids.size}")
-    wins = np.stack([ids[i * seqlen:i * seqlen + seqlen + 1] for i in range(n_win)])
-    graphdef, state = nnx.split(model)
-    total = 0.0
-    for s in range(0, n_win, batch):
-        chunk = wins[s:s + batch]
-        n = chunk.shape[0]
-        if n < batch:  # pad with repeats of the first row (one compiled shape); pad rows are not counted
-            chunk = np.concatenate([chunk, np.repeat(chunk[:1], batch - n, axis=0)])
-        total += float(np.sum(np.asarray(_window_nll(graphdef, state, jnp.asarray(chunk)), np.float64)[:n]))
-    n_tok = n_win * seqlen
-    return total / n_tok, n_tok
-
-
-def perplexity(model: Qwen3_5MoeForCausalLM, ids, seqlen: int = 256, batch: int = 8) -> float:
-    """``exp`` of :func:`mean_nll`: held-out perplexity over non-overlapping ``seqlen``-token windows."""
-    return float(math.exp(mean_nll(model, ids, seqlen, batch)[0]))
+# held-out perplexity is qjax.evaluate's (also behind ``qjax eval ppl``), so training logs and the CLI agree
+mean_nll = evaluate.mean_nll
+perplexity = evaluate.perplexity
 
 
 def unigram_nll(train_ids, eval_ids, vocab_size: int) -> float:
