@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+from qjax import xla_env  # noqa: E402
+
+xla_env.apply(single_threaded=True)
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402

@@ -38,8 +38,9 @@ import os
 
 # one single-threaded XLA:CPU program: as fast as Eigen's thread pool for this model size on 2 cores, and immune to
 # the thread pool's occasional wedge (a run hanging with every thread idle). Must be set before jax starts.
-if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+from qjax import xla_env  # noqa: E402
+
+xla_env.apply(single_threaded=True)
 
 import argparse
 import dataclasses

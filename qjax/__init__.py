@@ -7,7 +7,11 @@ Public API::
     tokens = qjax.generate(model, input_ids, max_new_tokens=32)
 """
 
-from .config import ConfigError, TextConfig
+from . import xla_env
+
+xla_env.apply()  # before the CPU backend starts: a YNNPACK fusion miscomputes fp32 quantized matmuls (xla_env.py)
+
+from .config import ConfigError, TextConfig  # noqa: E402
 from .cache import Cache
 from .generate import GenerationConfig, extend, generate, stream
 from .loading import LoadError, load_model

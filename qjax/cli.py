@@ -148,10 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # XLA:CPU's multi-threaded Eigen pool was seen to deadlock (all threads idle) during long CPU runs on 2 cores;
-    # read when the backend starts, so setting it before the first computation is enough. A user's flag wins.
-    if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+    from qjax import xla_env
+
+    xla_env.apply(single_threaded=True)  # before the backend starts; a user's XLA_FLAGS win (see xla_env.py)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

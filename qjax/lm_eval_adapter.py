@@ -4,6 +4,7 @@ Command line::
 
     python -m qjax.lm_eval_adapter --model qjax --model_args pretrained=DIR,dtype=bfloat16,batch_size=8 \\
         --tasks hellaswag [any other lm-eval flag]
+    qjax lm-eval --model qjax ...           # the same
 
 Python::
 
@@ -377,6 +378,16 @@ class QJaxLM(TemplateLM):
                         self.cache_hook.add_partial("generate_until", args[i], text)
                     bar.update(len(chunk))
         return out  # type: ignore[return-value]
+
+
+def register(subparsers) -> None:
+    """``qjax lm-eval [lm-eval flags]``: the same as ``python -m qjax.lm_eval_adapter``."""
+    import argparse
+
+    p = subparsers.add_parser("lm-eval", help="lm-evaluation-harness with --model qjax registered (lm_eval's flags)",
+                              add_help=False)
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: main(a.lm_eval_args) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 
-# XLA:CPU's multi-threaded Eigen pool deadlocked here (every thread idle, the main thread waiting in a compile) when
-# torch and JAX ran in one process on 2 cores; single-threaded Eigen avoids it and costs nothing measurable here.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+# before JAX starts (see qjax/xla_env.py): single-threaded Eigen, and no YNNPACK fusions (fp32 error ~1e-2)
+from qjax import xla_env  # noqa: E402
+
+xla_env.apply(single_threaded=True)
 
 import pytest  # noqa: E402
 import torch
