@@ -110,6 +110,16 @@ def cmd_inspect(a) -> int:
     return 0
 
 
+def cmd_lm_eval(a) -> int:
+    try:
+        from qjax.lm_eval_adapter import main as lm_eval_main  # lm-eval is optional: imported only here
+    except ImportError as e:
+        print(f"error: qjax lm-eval needs lm-eval installed (pip install lm-eval==0.4.13): {e}", file=sys.stderr)
+        return 2
+    lm_eval_main(a.lm_eval_args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qjax", description="Run Qwen3.5/3.6-MoE checkpoints in JAX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -140,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     from qjax.autoround.api import add_arguments, cli as quantize_cli
     add_arguments(q)
     q.set_defaults(func=quantize_cli)
+    le = sub.add_parser("lm-eval", add_help=False,
+                        help="lm-evaluation-harness with --model qjax registered (takes lm_eval's own flags)")
+    le.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    le.set_defaults(func=cmd_lm_eval)
     import importlib
 
     for name in COMMAND_MODULES:  # each adds its subcommand(s): register(subparsers)
@@ -151,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     from qjax import xla_env
 
     xla_env.apply(single_threaded=True)  # before the backend starts; a user's XLA_FLAGS win (see xla_env.py)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # every later flag is lm-eval's (argparse's REMAINDER would still grab --help)
+        return cmd_lm_eval(argparse.Namespace(lm_eval_args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

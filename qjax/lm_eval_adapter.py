@@ -380,16 +380,6 @@ class QJaxLM(TemplateLM):
         return out  # type: ignore[return-value]
 
 
-def register(subparsers) -> None:
-    """``qjax lm-eval [lm-eval flags]``: the same as ``python -m qjax.lm_eval_adapter``."""
-    import argparse
-
-    p = subparsers.add_parser("lm-eval", help="lm-evaluation-harness with --model qjax registered (lm_eval's flags)",
-                              add_help=False)
-    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda a: main(a.lm_eval_args) or 0)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """lm-eval's own command line, with ``--model qjax`` registered (module docstring)."""
     from lm_eval.__main__ import cli_evaluate

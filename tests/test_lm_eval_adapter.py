@@ -251,7 +251,7 @@ def test_lm_eval_command_line(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets"), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "qjax.lm_eval_adapter", "--model", "qjax",
+    cmd = [sys.executable, "-m", "qjax.cli", "lm-eval", "--model", "qjax",  # = python -m qjax.lm_eval_adapter
            "--model_args", f"pretrained={default_model_dir()},dtype=float32,batch_size=8",
            "--tasks", "qjax_austen_mc,qjax_austen_ppl,qjax_austen_gen", "--include_path", str(tmp_path / "tasks"),
            "--limit", "16", "--output_path", str(out), "--log_samples"]
