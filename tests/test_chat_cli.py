@@ -93,8 +93,11 @@ def test_max_new_tokens_must_be_positive():
 
 
 def test_ctrl_c_during_generation_exits_130_without_traceback():
+    # a job started in the background by a non-interactive shell (CI runners, nohup) inherits SIGINT ignored, and
+    # Python keeps it ignored; a terminal user's process has the default action, which is what is tested here
     p = subprocess.Popen([sys.executable, "-m", "qjax.cli", "generate", "It is a truth", "--no-do-sample",
-                          "--max-new-tokens", "4000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                          "--max-new-tokens", "4000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = p.stdout.read1(64)  # blocks until generated text arrives
         assert first, p.stderr.read()
