@@ -58,14 +58,18 @@ def load_tokenizer(folder: str, option: str = "--model"):
     return Tokenizer.from_folder(folder)
 
 
-def read_texts(path: str, option: str = "--data") -> list[str]:
-    """Documents of a text file: a ``.txt`` file is one document; ``.jsonl`` has one object with ``"text"`` (or a
-    string) per line; ``.json`` is a list of strings or of such objects."""
+def _read(path: str, option: str) -> tuple[str, str]:
+    """(contents, lower-case extension) of a UTF-8 text file named by ``option``."""
     if not os.path.isfile(path):
         raise EvalError(f"{option} {path}: no such file")
     with open(path, encoding="utf-8") as f:
-        raw = f.read()
-    ext = os.path.splitext(path)[1].lower()
+        return f.read(), os.path.splitext(path)[1].lower()
+
+
+def read_texts(path: str, option: str = "--data") -> list[str]:
+    """Documents of a text file: a ``.txt`` file is one document; ``.jsonl`` has one object with ``"text"`` (or a
+    string) per line; ``.json`` is a list of strings or of such objects."""
+    raw, ext = _read(path, option)
     if ext == ".jsonl":
         items = []
         for n, line in enumerate(raw.splitlines(), 1):
@@ -88,11 +92,7 @@ def read_texts(path: str, option: str = "--data") -> list[str]:
 def read_prompts(path: str, option: str = "--prompts") -> list[str]:
     """Prompts of a file: ``.txt`` one per non-empty line; ``.jsonl`` one object with ``"prompt"`` (or a string) per
     line; ``.json`` a list of strings or of such objects."""
-    if not os.path.isfile(path):
-        raise EvalError(f"{option} {path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        raw = f.read()
-    ext = os.path.splitext(path)[1].lower()
+    raw, ext = _read(path, option)
     if ext == ".jsonl":
         prompts = [_field(_json(line, f"{option} {path}:{n}"), "prompt", f"{option} {path}:{n}")
                    for n, line in enumerate(raw.splitlines(), 1) if line.strip()]
