@@ -109,6 +109,11 @@ class Plan:
     kv_bytes_per_token: int  # per sequence, all full-attention layers
     gdn_bytes_per_sequence: int  # conv window + fp32 state, all GDN layers
     skipped: dict[str, int]  # prefix → bytes on disk that qjax does not load (vision)
+    mesh: dict[str, int] | None = None  # axis sizes when planned for a mesh
+    mesh_device_bytes: int = 0  # parameters each device holds on that mesh
+    mesh_replicated_bytes: int = 0  # of which replicated on every device
+    mesh_kv_bytes_per_token: int = 0  # per sequence, per device
+    mesh_gdn_bytes_per_sequence: int = 0  # per device
 
 
 def _label(key: str, dtype: str, quant_modules: dict[str, str]) -> str:
@@ -121,7 +126,7 @@ def _label(key: str, dtype: str, quant_modules: dict[str, str]) -> str:
 
 
 def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: QuantizationConfig | None,
-         *, dtype=None) -> Plan:
+         *, dtype=None, mesh=None) -> Plan:
     """Everything from headers: the loader's own plan + abstract model, so device bytes are what loading allocates."""
     from qjax.loading import _default_dtype_from, _leaf_shapes, _text_prefix
     from qjax.loading_quant import plan_quantization
@@ -155,11 +160,41 @@ def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: Q
     for k, (shape, d) in headers.items():
         if k.startswith("model.visual."):
             skipped["model.visual.*"] += int(np.prod(shape)) * ST_ITEMSIZE[d]
-    return Plan(cfg, headers, {k: _label(k, d, quant_modules) for k, (_, d) in headers.items()}, int(device), kv, gdn,
-                dict(skipped))
+    out = Plan(cfg, headers, {k: _label(k, d, quant_modules) for k, (_, d) in headers.items()}, int(device), kv, gdn,
+               dict(skipped))
+    if mesh is not None:
+        _plan_mesh(out, model, mesh)
+    return out
 
 
-def plan_folder(path: str, *, dtype=None) -> Plan:
+def _plan_mesh(p: Plan, model, mesh) -> None:
+    """Per-device bytes on ``mesh`` from the loader's own PartitionSpec rules (no devices needed)."""
+    import jax
+
+    from qjax.loading import _leaf_shapes, _metas
+    from qjax.sharding import AXES, MeshPlan, check_fits, param_spec
+
+    sizes = check_fits(mesh, p.cfg)
+    tp = sizes["tensor"]
+    rules = MeshPlan(mesh=jax.sharding.AbstractMesh(tuple(sizes[a] for a in AXES), AXES),
+                     kv_split=p.cfg.num_key_value_heads % tp == 0, vocab_split=p.cfg.vocab_size % tp == 0)
+    metas = _metas(model)
+    total = replicated = 0
+    for path, leaf in _leaf_shapes(model).items():
+        nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        spec = param_spec(path, tuple(leaf.shape), rules, metas.get(path[:-1]), warn=lambda _: None)
+        ways = 1
+        for entry in spec:
+            for axis in (entry if isinstance(entry, tuple) else (entry,)):
+                ways *= sizes[axis] if axis is not None else 1
+        total += nbytes // ways
+        replicated += nbytes if ways == 1 else 0
+    p.mesh, p.mesh_device_bytes, p.mesh_replicated_bytes = sizes, total, replicated
+    p.mesh_kv_bytes_per_token = p.kv_bytes_per_token // (tp if rules.kv_split else 1)
+    p.mesh_gdn_bytes_per_sequence = p.gdn_bytes_per_sequence // tp
+
+
+def plan_folder(path: str, *, dtype=None, mesh=None) -> Plan:
     from qjax.loading import Checkpoint
 
     cfg = TextConfig.from_file(path)
@@ -169,10 +204,10 @@ def plan_folder(path: str, *, dtype=None) -> Plan:
         headers = {k: (tuple(ckpt.shape(k)), ckpt.dtype(k)) for k in ckpt.keys()}
     finally:
         ckpt.close()
-    return plan(cfg, headers, qc, dtype=dtype)
+    return plan(cfg, headers, qc, dtype=dtype, mesh=mesh)
 
 
-def plan_recipe(config_path: str, recipe: str, *, dtype="bfloat16") -> Plan:
+def plan_recipe(config_path: str, recipe: str, *, dtype="bfloat16", mesh=None) -> Plan:
     """A hypothetical checkpoint of ``config_path``'s model quantized with ``recipe`` (shapes only)."""
     import jax.numpy as jnp
 
@@ -206,7 +241,7 @@ def plan_recipe(config_path: str, recipe: str, *, dtype="bfloat16") -> Plan:
                 n = 1 if qc.kv_cache.strategy == "tensor" else cfg.num_key_value_heads
                 headers[f"model.layers.{i}.self_attn.k_scale"] = ((n,), "F32")
                 headers[f"model.layers.{i}.self_attn.v_scale"] = ((n,), "F32")
-    return plan(cfg, headers, qc, dtype=jnp.dtype(dtype))
+    return plan(cfg, headers, qc, dtype=jnp.dtype(dtype), mesh=mesh)
 
 
 def _gib(n: float) -> str:
@@ -236,4 +271,14 @@ def format_plan(p: Plan, *, title: str) -> str:
     for ctx in (4096, 32768, 262144):
         lines.append(f"  batch 1 at {ctx:>7,} tokens: weights + KV + state = "
                      f"{_gib(p.device_bytes + ctx * p.kv_bytes_per_token + p.gdn_bytes_per_sequence)}")
+    if p.mesh is not None:
+        n = int(np.prod(list(p.mesh.values())))
+        lines += ["", f"on a mesh of {n} devices ({', '.join(f'{a}={v}' for a, v in p.mesh.items())}), per device:",
+                  f"  weights: {_gib(p.mesh_device_bytes)} ({_gib(p.mesh_replicated_bytes)} replicated on every "
+                  f"device, the rest split)",
+                  f"  KV cache: {p.mesh_kv_bytes_per_token / 1024:,.2f} KiB per token per sequence; GDN state: "
+                  f"{_gib(p.mesh_gdn_bytes_per_sequence)} per sequence"]
+        for ctx in (4096, 32768, 262144):
+            lines.append(f"  batch {p.mesh['data']} at {ctx:>7,} tokens (1 sequence per device): weights + KV + "
+                         f"state = {_gib(p.mesh_device_bytes + ctx * p.mesh_kv_bytes_per_token + p.mesh_gdn_bytes_per_sequence)}")
     return "\n".join(lines)

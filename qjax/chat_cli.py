@@ -120,12 +120,12 @@ def _sampling_kwargs(a: argparse.Namespace) -> dict:
                 top_p=a.top_p)
 
 
-def _load(folder: str, dtype: str | None):
+def _load(folder: str, dtype: str | None, mesh: str | None = None):
     import jax.numpy as jnp
 
     import qjax
 
-    return qjax.load_model(folder, dtype=jnp.dtype(dtype) if dtype else None)
+    return qjax.load_model(folder, dtype=jnp.dtype(dtype) if dtype else None, mesh=mesh or None)
 
 
 def _tokenizer(folder: str, hint: str = ""):
@@ -171,7 +171,7 @@ def run_generate(a: argparse.Namespace) -> int:
     if not ids:
         raise ValueError("empty prompt")
     check_fits(len(ids), a.max_new_tokens, cfg.max_position_embeddings, os.path.join(folder, "config.json"))
-    model = _load(folder, a.dtype)
+    model = _load(folder, a.dtype, a.mesh)
     if tokenizer is not None:
         stream_text(model, tokenizer, ids, sys.stdout, stop_ids=tokenizer.stop_token_ids, seed=a.seed,
                     **_sampling_kwargs(a))
@@ -232,7 +232,7 @@ def run_chat(a: argparse.Namespace) -> int:
     folder = a.model or default_model_dir()
     cfg = TextConfig.from_file(folder)
     tokenizer = _tokenizer(folder)
-    session = ChatSession(_load(folder, a.dtype), tokenizer, context=cfg.max_position_embeddings,
+    session = ChatSession(_load(folder, a.dtype, a.mesh), tokenizer, context=cfg.max_position_embeddings,
                           config_path=os.path.join(folder, "config.json"), system=a.system,
                           enable_thinking=False if a.no_think else None, seed=a.seed, show_prompt=a.show_prompt,
                           **_sampling_kwargs(a))
@@ -281,6 +281,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="parameter/activation dtype (default: the checkpoint's)")
+    p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="run on several devices, e.g. tensor=2,expert=4 (axes data, tensor, expert; see README)")
 
 
 def add_chat_prompt_arguments(p: argparse.ArgumentParser) -> None:

@@ -98,13 +98,13 @@ def cmd_inspect(a) -> int:
         if a.config is None or a.path is not None:
             print("error: use either PATH, or --config CONFIG.json with --recipe RECIPE", file=sys.stderr)
             return 2
-        p = plan_recipe(a.config, a.recipe or "bf16", dtype=a.dtype or "bfloat16")
+        p = plan_recipe(a.config, a.recipe or "bf16", dtype=a.dtype or "bfloat16", mesh=a.mesh)
         title = f"{a.config} with recipe {a.recipe or 'bf16'!r} (hypothetical, from shapes)"
     else:
         if a.path is None:
             print("error: give a checkpoint PATH, or --config with --recipe", file=sys.stderr)
             return 2
-        p = plan_folder(a.path)
+        p = plan_folder(a.path, mesh=a.mesh)
         title = f"{a.path}"
     print(format_plan(p, title=title))
     return 0
@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preset (w2w4, w4a16, w8a16-g32, mxfp8-experts, bf16), 'experts=int2:g64,rest=int4:g128,"
                         "kv=fp8' or a JSON file with a quantization_config")
     i.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
+    i.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="also print per-device memory on this mesh, e.g. tensor=2,expert=2 (no devices needed)")
     i.set_defaults(func=cmd_inspect)
     q = sub.add_parser("quantize", help="AutoRound (SignRound) quantization with auto-round's flags and defaults")
     from qjax.autoround.api import add_arguments, cli as quantize_cli

@@ -272,7 +272,8 @@ def _default_dtype_from(embed_dtype: str | None, cfg: TextConfig):
     return {"bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(str(cfg.dtype), jnp.float32)
 
 
-def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = None) -> Qwen3_5MoeForCausalLM:
+def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = None,
+               mesh=None) -> Qwen3_5MoeForCausalLM:
     """Load a HF ``qwen3_5_moe`` / ``qwen3_5_moe_text`` checkpoint folder (dense, compressed-tensors, or auto-round
     ``quant_method: "auto-round"`` INT packing, converted to compressed-tensors' layout at load).
 
@@ -282,11 +283,21 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
         ``A_log`` and ``dt_bias`` stay float32 whatever is asked.
       progress: a tqdm bar over the tensors on stderr; None = only for checkpoints over 256 MiB when stderr is a
         terminal.
+      mesh: run on several devices: a dict of axis sizes (``{"data": 1, "tensor": 2, "expert": 4}``; missing axes
+        are 1), a ``"tensor=2,expert=4"`` string, or a :class:`jax.sharding.Mesh` with axes among
+        (data, tensor, expert). Each tensor goes straight to the devices that hold a part of it
+        (:mod:`qjax.sharding` has the layout). None: one device.
     Raises:
-      ConfigError, SafetensorsError, LoadError — each naming the file and the tensor or field at fault.
+      ConfigError, SafetensorsError, LoadError — each naming the file and the tensor or field at fault;
+      qjax.sharding.MeshError when the mesh does not divide the model's heads or experts.
     """
     path = os.fspath(path)
     cfg = TextConfig.from_file(path)
+    plan = None
+    if mesh is not None:
+        from .sharding import plan_mesh
+
+        plan = plan_mesh(mesh, cfg)
     ckpt = Checkpoint(path)
     try:
         # auto-round folders (quant_method "auto-round", GPTQ/AWQ packing) are read through a compressed-tensors view
@@ -295,14 +306,15 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
             qc, view = autoround
         else:
             qc, view = QuantizationConfig.from_config_json(os.path.join(path, "config.json")), ckpt
-        model = _load(cfg, qc, view, dtype, progress=progress)
+        model = _load(cfg, qc, view, dtype, progress=progress, plan=plan)
     finally:
         ckpt.close()
     model.generation_config = GenerationConfig.from_folder(path)
     return model
 
 
-def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype, *, progress: bool | None = False) -> Qwen3_5MoeForCausalLM:
+def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype, *, progress: bool | None = False,
+          plan=None) -> Qwen3_5MoeForCausalLM:
     keys = ckpt.keys()
     prefix = _text_prefix(keys)
     skipped = [k for k in keys if k.startswith(SKIPPED_PREFIXES)]
@@ -318,26 +330,82 @@ def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype, *, progress: bool | None
     targets = expected_tensors(model, leaves, fused_experts=_expert_layouts(keys), text_prefix=prefix)
     _check(ckpt, targets, set(skipped))
 
-    buffers: dict[tuple, jnp.ndarray] = {}
+    shardings = None
+    if plan is not None:
+        from .sharding import set_plan, state_shardings
+
+        set_plan(model, plan)
+        shardings = state_shardings(model, plan)
+    placer = _Placer(leaves, shardings)
     for key in _progress(_ordered(ckpt, targets), ckpt, targets, progress):
         t = targets[key]
         arr = _transform(ckpt, key, t)
-        if t.path is None:
-            continue
-        leaf = leaves[t.path]
-        arr = _host_cast(arr, leaf.dtype)
-        if tuple(arr.shape) == tuple(leaf.shape):
-            buffers[t.path] = jax.device_put(arr)
-            continue
-        if t.path not in buffers:
-            buffers[t.path] = jnp.zeros(leaf.shape, leaf.dtype)
-        buffers[t.path] = _write(buffers[t.path], jax.device_put(arr), jnp.asarray(t.start, jnp.int32))
+        if t.path is not None:
+            placer.put(t, _host_cast(arr, leaves[t.path].dtype))
 
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
     for p, v in flat:
-        v.set_value(buffers[tuple(p)]) if hasattr(v, "set_value") else setattr(v, "value", buffers[tuple(p)])
+        value = placer.array(tuple(p))
+        v.set_value(value) if hasattr(v, "set_value") else setattr(v, "value", value)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+class _Placer:
+    """Per-device buffers of every variable, filled tensor by tensor.
+
+    Without a mesh each variable is one buffer on the default device. On a mesh each device holds only its shard
+    of each variable, and receives only the part of each checkpoint tensor that falls inside that shard (a
+    replicated variable: the whole tensor on each device) — the full model never exists on one device, and the
+    host holds one (memory-mapped) tensor at a time.
+    """
+
+    def __init__(self, leaves: dict, shardings: dict | None):
+        self.leaves, self.shardings = leaves, shardings
+        self.buffers: dict[tuple, dict] = {}
+        self._index_maps: dict[tuple, dict] = {}
+
+    def _devices(self, path) -> dict:
+        """device → tuple of slices of the variable that device holds (one entry, None, without a mesh)."""
+        if self.shardings is None:
+            return {None: tuple(slice(0, n) for n in self.leaves[path].shape)}
+        if path not in self._index_maps:
+            shape = tuple(self.leaves[path].shape)
+            raw = self.shardings[path].addressable_devices_indices_map(shape)
+            self._index_maps[path] = {d: tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(idx, shape))
+                                      for d, idx in raw.items()}
+        return self._index_maps[path]
+
+    def put(self, t: Target, arr: np.ndarray) -> None:
+        leaf = self.leaves[t.path]
+        region = t.index(len(leaf.shape))
+        starts = [r if isinstance(r, int) else r.start for r in region]
+        sizes = [1 if isinstance(r, int) else r.stop - r.start for r in region]
+        arr = np.asarray(arr).reshape(sizes)
+        bufs = self.buffers.setdefault(t.path, {})
+        for device, held in self._devices(t.path).items():
+            lo = [max(a, h.start) for a, h in zip(starts, held)]
+            hi = [min(a + n, h.stop) for a, n, h in zip(starts, sizes, held)]
+            if any(l >= h for l, h in zip(lo, hi)):
+                continue
+            part = arr[tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, starts))]
+            shard_shape = tuple(h.stop - h.start for h in held)
+            on = (lambda x: jax.device_put(x)) if device is None else (lambda x, d=device: jax.device_put(x, d))
+            if part.shape == shard_shape:
+                bufs[device] = on(part)
+                continue
+            if device not in bufs:
+                bufs[device] = jnp.zeros(shard_shape, leaf.dtype, device=device)
+            offset = jnp.asarray([l - h.start for l, h in zip(lo, held)], jnp.int32)
+            bufs[device] = _write(bufs[device], on(part), offset)
+
+    def array(self, path: tuple) -> jax.Array:
+        bufs = self.buffers[path]
+        if self.shardings is None:
+            return bufs[None]
+        leaf = self.leaves[path]
+        return jax.make_array_from_single_device_arrays(tuple(leaf.shape), self.shardings[path],
+                                                        [bufs[d] for d in self._devices(path)])
 
 
 def _progress(keys: Iterator[str], ckpt: Checkpoint, targets: dict, progress: bool | None) -> Iterator[str]:

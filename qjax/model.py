@@ -288,12 +288,20 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else make_linear(
             "lm_head", cfg.hidden_size, cfg.vocab_size, head, dtype=dtype, std=std, rngs=rngs)
         self.mtp = MTP(cfg, dtype=dtype, rngs=rngs) if with_mtp else None
+        self.mesh_plan = None  # a qjax.sharding.MeshPlan when the variables live on a mesh (qjax.sharding.set_plan)
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
         """An empty generation cache for ``batch`` rows of up to ``max_len`` positions (FP8 K/V when the checkpoint
-        has static KV scales)."""
-        return Cache.init(self.config, self.layer_kinds, batch, max_len, self.dtype,
-                          kv_dtype=jnp.float8_e4m3fn if self.kv_fp8 else self.dtype)
+        has static KV scales); on a mesh, created directly in its shards (rows over ``data``, heads over
+        ``tensor``)."""
+        make = functools.partial(Cache.init, self.config, self.layer_kinds, batch, max_len, self.dtype,
+                                 kv_dtype=jnp.float8_e4m3fn if self.kv_fp8 else self.dtype)
+        if self.mesh_plan is None:
+            return make()
+        from .sharding import cache_shardings, check_batch
+
+        check_batch(self.mesh_plan, batch)
+        return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), self.mesh_plan))()
 
     # -- building blocks ----------------------------------------------------------------------------------------------
     def embed(self, input_ids: jnp.ndarray) -> jnp.ndarray:
@@ -344,6 +352,8 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         def body(h, xs):
             group_state, group_slots = xs
             h, new_slots, outs = nnx.merge(graphdef, group_state)(h, ctx, group_slots, collect)
+            if self.mesh_plan is not None:  # the residual stream: rows over data, whole on every tensor device
+                h = self.mesh_plan.batch(h)
             return h, (new_slots, outs)
 
         h, (new_slots, outs) = jax.lax.scan(body, h, (state, slots))
@@ -368,6 +378,8 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         """
         ctx, m = self._context(input_ids, attention_mask, position_ids, cache)
         h = self.embed(input_ids)
+        if self.mesh_plan is not None:
+            h = self.mesh_plan.batch(h)
         h0 = h
         h, new_slots, outs = self.run_layers(h, ctx, None if cache is None else cache.slots, output_hidden_states)
         hidden_states = jnp.concatenate([h0[None], outs]) if output_hidden_states else None

@@ -48,6 +48,7 @@ class SparseMoeBlock(nnx.Module):
 
         h, std, quant = cfg.hidden_size, cfg.initializer_range, quant or {}
         self.top_k = cfg.num_experts_per_tok
+        self.mesh_plan = None  # a qjax.sharding.MeshPlan once the model is placed on a mesh
         self.gate = Linear(h, cfg.num_experts, dtype=dtype, std=std, rngs=rngs)  # router: never quantized
         if "mlp.experts.gate_up_proj" in quant or "mlp.experts.down_proj" in quant:
             self.experts = QuantExperts(cfg.num_experts, quant.get("mlp.experts.gate_up_proj"),
@@ -64,6 +65,11 @@ class SparseMoeBlock(nnx.Module):
         b, t, h = x.shape
         xf = x.reshape(b * t, h)
         weights, idx = route(self.gate(xf), self.top_k)
-        routed = self.experts(xf, idx, weights)
+        if self.mesh_plan is not None:
+            from .sharding import expert_parallel
+
+            routed = expert_parallel(self.experts, xf, idx, weights, self.mesh_plan)
+        else:
+            routed = self.experts(xf, idx, weights)
         shared = jax.nn.sigmoid(self.shared_expert_gate(xf)) * self.shared_expert(xf)
         return (routed.astype(x.dtype) + shared).reshape(b, t, h)

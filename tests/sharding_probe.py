@@ -1,0 +1,132 @@
+"""Runs under 8 emulated CPU devices (its own process: the device count is fixed when JAX starts) and writes a JSON
+report for tests/test_sharding.py: single-device vs mesh logits and greedy tokens, per-device parameter bytes, and
+the errors a bad batch or mesh gives.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_probe.py CHECKPOINT OUT.json WORKDIR
+
+CHECKPOINT is a key of CHECKPOINTS; the test runs one process per checkpoint, side by side (compiling dominates).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from qjax import xla_env  # noqa: E402
+
+xla_env.apply(single_threaded=True)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import qjax  # noqa: E402
+from hf_util import tiny_text_config  # noqa: E402
+from qjax.config import TextConfig  # noqa: E402
+from qjax.convert.hf_writer import save_pretrained  # noqa: E402
+from qjax.convert.planner import plan_folder, recipe_to_qconfig  # noqa: E402
+from qjax.model import init_model  # noqa: E402
+from qjax.quant.rtn import quantize_model  # noqa: E402
+from qjax.sharding import MeshError, device_bytes, state_shardings  # noqa: E402
+
+MESHES = {"1x8x1": {"data": 1, "tensor": 8, "expert": 1},
+          "1x2x4": {"data": 1, "tensor": 2, "expert": 4},
+          "2x1x4": {"data": 2, "tensor": 1, "expert": 4}}
+# one quantized checkpoint mixing the formats (asymmetric INT2 experts, MXFP8 attention, INT4 elsewhere, INT8
+# lm_head). int4 g16 on the GDN out_proj (input 64) and the shared down_proj (input 32) cannot split 8 ways by whole
+# groups: those two stay replicated on the 1x8x1 mesh
+CHECKPOINTS = {"bf16": None,
+               "quantized": "experts=int2:g32:asym,attn=mxfp8,rest=int4:g16,lm_head=int8:g32"}
+
+
+def probe_config() -> dict:
+    """Two layers (GDN + full attention), every split dimension divisible by 8: 8 query heads (2 KV heads: they are
+    replicated when tensor > 2), 8 GDN value heads, 8 experts (top-2)."""
+    return tiny_text_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                            num_attention_heads=8, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                            linear_num_value_heads=8, linear_value_head_dim=8, num_experts=8)
+
+
+def main(name: str, out_path: str, work: str) -> None:
+    assert jax.device_count() >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    cfg = TextConfig.from_dict(probe_config())
+    dense = init_model(cfg, dtype=jnp.float32, seed=0)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, (2, 9))
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    report: dict = {"checkpoints": {}, "errors": {}}
+    for name, recipe in [(name, CHECKPOINTS[name])]:
+        model = dense if recipe is None else quantize_model(dense, recipe_to_qconfig(recipe))
+        folder = save_pretrained(model, os.path.join(work, name), dtype=jnp.bfloat16)
+        one = qjax.load_model(folder, dtype=jnp.float32)
+        base = np.asarray(one(ids, mask))
+        tokens = qjax.generate(one, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[])
+        single_bytes = sum(device_bytes(one).values())
+        entry = report["checkpoints"][name] = {"single_bytes": single_bytes, "meshes": {}}
+        for mesh_name, mesh in MESHES.items():
+            m = qjax.load_model(folder, dtype=jnp.float32, mesh=mesh)
+            out = np.asarray(m(ids, mask))
+            got = qjax.generate(m, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[])
+            diff = np.abs(out - base)
+            per_device = device_bytes(m)
+            expected, replicated, split_names = _expected_bytes(m)
+            entry["meshes"][mesh_name] = {
+                "max_abs": float(diff.max()),
+                "max_abs_logit": float(np.abs(base).max()),
+                "worst_over_tol": float((diff / (1e-5 + 1e-5 * np.abs(base))).max()),
+                "tokens_equal": bool(np.array_equal(tokens, got)),
+                "new_tokens": got[:, ids.shape[1]:].tolist(),
+                "devices": len(per_device),
+                "device_bytes": sorted(per_device.values()),
+                "expected_device_bytes": expected,
+                "replicated_bytes": replicated,
+                "split": split_names,
+                "planned_device_bytes": plan_folder(folder, dtype=jnp.float32, mesh=mesh).mesh_device_bytes,
+                "cache_shards": _cache_shards(m),
+            }
+    # bad batch: the data axis must divide it
+    m = qjax.load_model(folder, dtype=jnp.float32, mesh=MESHES["2x1x4"])
+    try:
+        qjax.generate(m, ids[:1], max_new_tokens=2)
+        report["errors"]["odd_batch"] = None
+    except MeshError as e:
+        report["errors"]["odd_batch"] = str(e)
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def _expected_bytes(model) -> tuple[int, int, list[str]]:
+    """Bytes one device should hold if every variable is cut into exactly as many parts as its spec names."""
+    from flax import nnx
+
+    shardings = state_shardings(model, model.mesh_plan)
+    total = replicated = 0
+    split = []
+    for p, v in nnx.to_flat_state(nnx.state(model)):
+        value = v.get_value() if hasattr(v, "get_value") else v.value
+        nbytes = value.size * value.dtype.itemsize
+        ways = 1
+        for entry in shardings[tuple(p)].spec:
+            for axis in (entry if isinstance(entry, tuple) else (entry,)):
+                ways *= model.mesh_plan.size(axis) if axis is not None else 1
+        total += nbytes // ways
+        if ways == 1:
+            replicated += nbytes
+        else:
+            split.append(".".join(map(str, p)))
+    return total, replicated, split
+
+
+def _cache_shards(model) -> dict:
+    cache = model.init_cache(2, 16)
+    leaves = jax.tree_util.tree_leaves(cache)
+    return {"leaves": len(leaves),
+            "per_device_fraction": [float(x.addressable_shards[0].data.size / x.size) for x in leaves if x.size]}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
