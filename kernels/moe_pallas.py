@@ -315,7 +315,8 @@ def _align(idx, num_experts: int, bm: int, *, dense: bool | None = None):
     """Sort token-slots by expert and pad each expert's run to a multiple of ``bm`` (``moe_align_block_size``).
 
     Returns ``blk_expert [B]`` (−1 past the used blocks), ``row_slot [R]`` (slot of each padded row, ``S`` on
-    padding) and ``slot_row [N, k]`` (padded row of each slot); within an expert the slots keep their order.
+    padding) and ``slot_row [N, k]`` (padded row of each slot, ``≥ R`` for a dropped slot: an id outside
+    ``[0, E)``); within an expert the slots keep their order.
 
     Two formulations with identical results: *dense* (``S ≤ 1024``, decode and short prefills) builds everything
     from compares and reductions over ``[S, S]`` / ``[R, S]`` / ``[B, E]`` — no sort, no scatter, so XLA fuses it
@@ -328,6 +329,8 @@ def _align(idx, num_experts: int, bm: int, *, dense: bool | None = None):
     r = nb * bm
     flat = idx.reshape(-1).astype(jnp.int32)
     slots = jnp.arange(s, dtype=jnp.int32)
+    valid = (flat >= 0) & (flat < num_experts)  # ids outside [0, E) are dropped slots (expert parallelism)
+    flat = jnp.where(valid, flat, num_experts)  # sorts after every expert, counted by none
     if dense is None:
         dense = s <= _DENSE_ALIGN_MAX_SLOTS
     if dense:
@@ -343,19 +346,22 @@ def _align(idx, num_experts: int, bm: int, *, dense: bool | None = None):
     else:
         pad_end = jnp.cumsum(padded)
     pad_start = pad_end - padded
+    safe = jnp.minimum(flat, num_experts - 1)
     if dense:
         same_before = (flat[:, None] == flat[None, :]) & (slots[None, :] < slots[:, None])
         rank = jnp.sum(same_before, axis=1, dtype=jnp.int32)  # earlier slots of the same expert
-        slot_row = pad_start[flat] + rank
+        slot_row = jnp.where(valid, pad_start[safe] + rank, r)  # dropped slots: past every row
         hit = slot_row[None, :] == jnp.arange(r, dtype=jnp.int32)[:, None]  # [R, S], ≤ one hit per row
         row_slot = jnp.sum(jnp.where(hit, slots[None, :] - s, 0), axis=1, dtype=jnp.int32) + s
     else:
         cnt_start = jnp.cumsum(counts) - counts
         order = jnp.argsort(flat, stable=True).astype(jnp.int32)
         e_sorted = flat[order]
-        dest = pad_start[e_sorted] + slots - cnt_start[e_sorted]  # padded row of the i-th sorted slot
+        e_safe = jnp.minimum(e_sorted, num_experts - 1)
+        # padded row of the i-th sorted slot; dropped slots (sorted last) get distinct rows past the end
+        dest = jnp.where(e_sorted < num_experts, pad_start[e_safe] + slots - cnt_start[e_safe], r + slots)
         slot_row = jnp.zeros((s,), jnp.int32).at[order].set(dest, unique_indices=True)
-        row_slot = jnp.full((r,), s, jnp.int32).at[dest].set(order, unique_indices=True)
+        row_slot = jnp.full((r,), s, jnp.int32).at[dest].set(order, unique_indices=True, mode="drop")
     blk_start = jnp.arange(nb, dtype=jnp.int32) * bm
     blk_expert = jnp.sum(pad_end[None, :] <= blk_start[:, None], axis=1, dtype=jnp.int32)  # searchsorted, right
     blk_expert = jnp.where(blk_expert < num_experts, blk_expert, -1)  # blocks past the last used one
@@ -418,7 +424,10 @@ def _forward(gu_meta: QuantMeta, dn_meta: QuantMeta, interpret: bool, config: Mo
         interpret=interpret,
         name="qjax_moe_down",
     )(blk_expert, row_slot, weights.reshape(-1), act, *dn_in)
-    return y[slot_row].sum(axis=1)  # [N, k, H] → [N, H]; weights already applied in the down epilogue
+    # [N, k, H] → [N, H]; weights already applied in the down epilogue. Dropped slots point past the rows (unused
+    # blocks are never written, so they are masked with where, not multiplied)
+    kept = slot_row < rows
+    return jnp.where(kept[..., None], y[jnp.minimum(slot_row, rows - 1)], 0.0).sum(axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -453,7 +462,8 @@ def moe_experts_pallas(x, idx, weights, gate_up: tuple, down: tuple, *, interpre
 
     Args:
       x: ``[N, H]`` activations (bf16 / fp16 / fp32).
-      idx, weights: ``[N, k]`` expert ids (int32, in ``[0, E)``) and routing weights.
+      idx, weights: ``[N, k]`` expert ids (int32) and routing weights. An id outside ``[0, E)`` drops its slot: it
+        adds nothing and costs no block (expert parallelism passes the other devices' experts so).
       gate_up: ``(packed, scale, zero, meta)`` of the stacked ``[E, 2I, H]`` weight (rows ``:I`` gate, ``I:`` up).
       down: the same for ``[E, H, I]``.
       interpret: run the Pallas kernels in interpret mode (CPU).

@@ -24,7 +24,7 @@ def _dot_out_in(x: jnp.ndarray, w: jnp.ndarray, spec: str) -> jnp.ndarray:
 WeightFn = Callable[[jnp.ndarray | None], jnp.ndarray]  # expert indices (or None: all) → dense [..., out, in]
 
 
-def experts_gather(x, idx, weights, gate_up: WeightFn, down: WeightFn):
+def experts_gather(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_experts: int | None = None):
     """Routed experts token by token, slot by slot, reading only the k selected expert matrices (decode).
 
     Each expert is indexed with a scalar inside a loop, which XLA turns into a dynamic slice of the stacked weights
@@ -32,8 +32,9 @@ def experts_gather(x, idx, weights, gate_up: WeightFn, down: WeightFn):
     transposed layout on every step (6–7× slower at decode).
 
     Args:
-      x: ``[N, H]``; idx, weights: ``[N, k]``.
+      x: ``[N, H]``; idx, weights: ``[N, k]`` (an id outside ``[0, E)`` drops its slot).
       gate_up, down: called with a scalar expert id, give the dense ``[2I, H]`` / ``[H, I]`` matrices.
+      num_experts: E (None: every id is taken as valid).
     Returns:
       ``[N, H]`` float32 (the weighted sum over the k experts).
     """
@@ -41,10 +42,14 @@ def experts_gather(x, idx, weights, gate_up: WeightFn, down: WeightFn):
 
     def token(xn, en, wn):
         def slot(j, acc):
-            gu = _dot_out_in(xn, gate_up(en[j]), "h,oh->o").astype(x.dtype)  # [2I]
+            e = en[j] if num_experts is None else jnp.clip(en[j], 0, num_experts - 1)
+            gu = _dot_out_in(xn, gate_up(e), "h,oh->o").astype(x.dtype)  # [2I]
             inter = gu.shape[-1] // 2
             act = (jax.nn.silu(gu[:inter]) * gu[inter:]).astype(x.dtype)
-            return acc + _dot_out_in(act, down(en[j]), "i,hi->h") * wn[j].astype(jnp.float32)
+            y = _dot_out_in(act, down(e), "i,hi->h") * wn[j].astype(jnp.float32)
+            if num_experts is not None:
+                y = jnp.where((en[j] >= 0) & (en[j] < num_experts), y, 0.0)
+            return acc + y
         return jax.lax.fori_loop(0, k, slot, jnp.zeros((x.shape[1],), jnp.float32))
 
     return jax.vmap(token)(x, idx, weights)
@@ -54,6 +59,8 @@ def experts_grouped(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     """Routed experts by sorting token-slots by expert and running two ``ragged_dot`` s (same contract as gather)."""
     n, k = idx.shape
     flat = idx.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    flat = jnp.where(valid, flat, num_experts)  # dropped slots sort last, in no group (ragged_dot gives 0 there)
     order = jnp.argsort(flat, stable=True)
     token = order // k
     xs = x[token]  # [N·k, H] sorted by expert
@@ -68,7 +75,7 @@ def experts_grouped(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(x.dtype)
     out = jax.lax.ragged_dot_general(act, down(None).astype(x.dtype), sizes, dn, precision=precision,
                                      preferred_element_type=jnp.float32)
-    w_sorted = weights.reshape(-1)[order].astype(jnp.float32)
+    w_sorted = jnp.where(valid[order], weights.reshape(-1)[order].astype(jnp.float32), 0.0)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(out * w_sorted[:, None])
 
 
@@ -84,6 +91,7 @@ def experts_blocked(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     block = int(min(128, max(8, 1 << max(0, (-(-s // num_experts) - 1).bit_length()))))
     nb = (s + num_experts * (block - 1)) // block  # static bound on the number of blocks
     flat = idx.reshape(-1)
+    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # dropped slots: sorted last, no row
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts)
     padded = (sizes + block - 1) // block * block
@@ -91,8 +99,9 @@ def experts_blocked(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     starts = ends - padded
     first = jnp.cumsum(sizes) - sizes
     e_sorted = flat[order]
-    dest = starts[e_sorted] + jnp.arange(s) - first[e_sorted]
-    rows = jnp.full((nb * block,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    e_safe = jnp.minimum(e_sorted, num_experts - 1)
+    dest = jnp.where(e_sorted < num_experts, starts[e_safe] + jnp.arange(s) - first[e_safe], nb * block)
+    rows = jnp.full((nb * block,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
     blk_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * block, side="right"), num_experts - 1)
     valid = rows >= 0
     token = jnp.where(valid, rows // k, 0)
@@ -107,9 +116,10 @@ def experts_blocked(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
 
 def routed_experts(x, idx, weights, gate_up: WeightFn, down: WeightFn, *, num_experts: int):
     """Dispatch on the static token count: gather when the token-slots touch fewer matrices than exist, else
-    expert-aligned blocks."""
+    expert-aligned blocks. An id outside ``[0, num_experts)`` drops its slot (adds nothing): expert parallelism
+    passes the experts of other devices so."""
     if idx.shape[0] * idx.shape[1] <= num_experts:
-        return experts_gather(x, idx, weights, gate_up, down)
+        return experts_gather(x, idx, weights, gate_up, down, num_experts)
     return experts_blocked(x, idx, weights, gate_up, down, num_experts)
 
 

@@ -133,10 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint folder (config.json + safetensors; default: the built-in model)")
     g.add_argument("--ids", default=None, help="prompt as token ids ('1 2 3') instead of text")
     g.add_argument("--chat", action="store_true", help="render PROMPT as a user message with the chat template")
-    from qjax.chat_cli import add_chat_prompt_arguments
+    from qjax.chat_cli import add_chat_prompt_arguments, add_sampling_arguments
     add_chat_prompt_arguments(g)
     g.add_argument("prompt", nargs="?", default=None)
-    _sampling_args(g)
+    add_sampling_arguments(g, max_new_tokens=64)
     g.set_defaults(func=cmd_generate)
     i = sub.add_parser("inspect", help="tensor counts, bytes and predicted device memory of a checkpoint or recipe")
     i.add_argument("path", nargs="?", default=None, help="checkpoint folder")

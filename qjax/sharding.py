@@ -306,12 +306,78 @@ def shard_model(model, plan: MeshPlan):
 
 
 def set_plan(model, plan: MeshPlan | None) -> None:
-    """Record ``plan`` on the model and every module that lays out its own computation (the MoE blocks)."""
+    """Record ``plan`` on the model and every module that lays out its own computation: the MoE blocks (expert
+    parallelism) and the packed linears the ``tensor`` axis splits (their kernels run per shard)."""
     from flax import nnx
 
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Module) and hasattr(node, "mesh_plan"):
-            node.mesh_plan = plan
+    from .quant.layers import QuantLinear
+
+    for path, node in nnx.iter_graph(model):
+        if not (isinstance(node, nnx.Module) and hasattr(node, "mesh_plan")):
+            continue
+        node.mesh_plan = plan
+        if isinstance(node, QuantLinear):
+            node.tp_split = None if plan is None else _linear_split(tuple(path), node, plan)
+
+
+def _linear_split(path: tuple, layer, plan: MeshPlan) -> str | None:
+    """"col" / "row" when :func:`param_spec` splits this packed linear's output rows / input columns over tensor."""
+    if path and path[0] == "lm_head":
+        return None  # the lm_head dequantizes for its float32 logits: GSPMD partitions it
+    value = layer.weight_packed.get_value() if hasattr(layer.weight_packed, "get_value") else layer.weight_packed.value
+    spec = tuple(param_spec(path + ("weight_packed",), tuple(value.shape), plan, layer.meta, warn=lambda _: None))
+    spec = spec + (None,) * (len(value.shape) - len(spec))
+    if spec[-2] == "tensor":
+        return "col"
+    if spec[-1] == "tensor":
+        return "row"
+    return None
+
+
+def tensor_parallel_qmatmul(x: jnp.ndarray, arrays: tuple, meta, split: str, plan: MeshPlan) -> jnp.ndarray:
+    """``x @ dequant(W)ᵀ`` with W split over ``tensor``: each device runs the kernel on its shard.
+
+    "col": W's rows are split; x is whole on every device and the output columns stay split.
+    "row": W's input columns are split (whole groups, whole words); x arrives split the same way and the partial
+    products are summed over the devices in float32, then rounded to x's dtype. Each partial leaves the kernel in
+    x's dtype: exact for float32, one extra bf16 rounding for bf16 models (as vLLM's row-parallel layers).
+
+    Args:
+      x: ``[B, ..., K]`` (rows over ``data``); arrays: ``(packed, scale, zero)`` as the layer holds them.
+    """
+    from qjax.kernels import qmatmul
+
+    packed, scale, zero = arrays
+    n = plan.size("tensor")
+    dp, tp = plan.axis("data"), "tensor"
+    rows = [dp] + [None] * (x.ndim - 2)
+    if split == "col":
+        local = dataclasses.replace(meta, out_features=meta.out_features // n)
+        w_spec = P(tp, None)
+        s_spec = P(tp, None) if scale.shape[-2] > 1 else P(None, None)
+        x_spec, out_spec = P(*rows, None), P(*rows, tp)
+
+        def f(x, p, s, z):
+            return qmatmul(x, p, s, z, local)
+    else:
+        k = meta.in_features // n
+        local = dataclasses.replace(meta, in_features=k,
+                                    group_size=meta.group_size if meta.strategy == "group" else k)
+        w_spec = P(None, tp)
+        s_spec = P(None, tp) if scale.shape[-1] > 1 else P(None, None)
+        x_spec, out_spec = P(*rows, tp), P(*rows, None)
+
+        def f(x, p, s, z):
+            y = qmatmul(x, p, s, z, local)
+            return jax.lax.psum(y.astype(jnp.float32), tp).astype(x.dtype)
+
+    if zero is None:
+        fn = jax.shard_map(lambda x, p, s: f(x, p, s, None), mesh=plan.mesh, in_specs=(x_spec, w_spec, s_spec),
+                           out_specs=out_spec, check_vma=False)
+        return fn(x, packed, scale)
+    fn = jax.shard_map(f, mesh=plan.mesh, in_specs=(x_spec, w_spec, s_spec, s_spec), out_specs=out_spec,
+                       check_vma=False)
+    return fn(x, packed, scale, zero)
 
 
 def device_bytes(model) -> dict:
@@ -332,10 +398,10 @@ def device_bytes(model) -> dict:
 def expert_parallel(experts, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndarray, plan: MeshPlan) -> jnp.ndarray:
     """Routed experts with their ``[E, …]`` stacks split over the expert devices.
 
-    Each device sees every token-slot of its data shard; slots routed to another device's experts get routing
-    weight 0 (and a local expert id, so shapes stay static and no token is dropped), the device applies its own
-    experts, and a ``psum`` over the expert devices adds the k contributions — the same routing as one device, only
-    the summation order of the k terms differs (float32: ≤ a few ulp).
+    Each device sees every token-slot of its data shard; slots routed to another device's experts are passed as
+    dropped (id −1: the kernels give them no block and add nothing), the device applies its own experts, and a
+    ``psum`` over the expert devices adds the k contributions — the same routing as one device (no capacity limit,
+    no token dropped), only the summation order of the k terms differs (float32: a few ulp).
 
     Args:
       experts: an :class:`qjax.moe.Experts` or :class:`qjax.quant.layers.QuantExperts` whose arrays are sharded by
@@ -358,7 +424,7 @@ def expert_parallel(experts, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndar
         module = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, params))
         first = jax.lax.axis_index(axes) * local_e if axes else 0
         mine = (idx >= first) & (idx < first + local_e)
-        out = module(x, jnp.where(mine, idx - first, 0), jnp.where(mine, weights, 0))
+        out = module(x, jnp.where(mine, idx - first, -1), weights)  # -1: a dropped slot (qjax.kernels contract)
         return jax.lax.psum(out, axes) if axes else out
 
     fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(row, row, row, *param_specs), out_specs=row,

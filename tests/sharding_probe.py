@@ -88,6 +88,8 @@ def main(name: str, out_path: str, work: str) -> None:
                 "planned_device_bytes": plan_folder(folder, dtype=jnp.float32, mesh=mesh).mesh_device_bytes,
                 "cache_shards": _cache_shards(m),
             }
+    if name == "quantized":
+        report["pallas"] = _pallas_under_mesh()
     # bad batch: the data axis must divide it
     m = qjax.load_model(folder, dtype=jnp.float32, mesh=MESHES["2x1x4"])
     try:
@@ -97,6 +99,61 @@ def main(name: str, out_path: str, work: str) -> None:
         report["errors"]["odd_batch"] = str(e)
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
+
+
+def _pallas_under_mesh() -> dict:
+    """The Pallas kernels (interpret mode) inside the tensor- and expert-parallel shard_maps vs the reference on one
+    device: what a GPU mesh runs."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from qjax.kernels import QuantMeta, qmatmul
+    from qjax.quant.layers import QuantExperts
+    from qjax.sharding import expert_parallel, plan_mesh, tensor_parallel_qmatmul
+
+    rng = np.random.default_rng(1)
+    plan = plan_mesh({"tensor": 2, "expert": 4}, TextConfig.from_dict(probe_config()))
+    out = {}
+    meta = QuantMeta(fmt="int", bits=4, group_size=32, in_features=128, out_features=96, symmetric=False,
+                     scale_dtype="bfloat16")
+    packed = jnp.asarray(rng.integers(-2**31, 2**31, (96, 16), dtype=np.int64).astype(np.int32))
+    scale = jnp.asarray(rng.uniform(0.01, 0.02, (96, 4)), jnp.bfloat16)
+    zero = jnp.asarray(rng.integers(-8, 8, (96, 4)), jnp.int8)
+    x = jnp.asarray(rng.standard_normal((2, 5, 128)), jnp.float32)
+    want = np.asarray(qmatmul(x, packed, scale, zero, meta, impl="reference"))
+    os.environ["QJAX_KERNELS"] = "interpret"
+    try:
+        for split, spec in (("col", P("tensor", None)), ("row", P(None, "tensor"))):
+            put = lambda a: jax.device_put(a, NamedSharding(plan.mesh, spec))  # noqa: E731
+            got = jax.jit(lambda x, p, s, z: tensor_parallel_qmatmul(x, (p, s, z), meta, split, plan))(
+                x, put(packed), put(scale), put(zero))
+            out[f"qmatmul_{split}"] = float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+        gm = QuantMeta(fmt="int", bits=2, group_size=32, in_features=64, out_features=64, scale_dtype="float16")
+        dm = QuantMeta(fmt="int", bits=2, group_size=32, in_features=32, out_features=64, scale_dtype="float16")
+        experts = QuantExperts(8, gm, dm, hidden=64, inter=32, dtype=jnp.float32)
+        for w, m in ((experts.gate_up_proj, gm), (experts.down_proj, dm)):
+            w.weight_packed.set_value(jnp.asarray(rng.integers(-2**31, 2**31, (8, m.out_features, m.packed_cols),
+                                                               dtype=np.int64).astype(np.int32)))
+            w.weight_scale.set_value(jnp.asarray(rng.uniform(0.02, 0.04, (8, *m.scale_shape)), jnp.float16))
+        xs = jnp.asarray(rng.standard_normal((12, 64)), jnp.float32)
+        idx = jnp.asarray(np.argsort(rng.standard_normal((12, 8)), axis=1)[:, :2].astype(np.int32))
+        wts = jnp.asarray(rng.uniform(0.2, 0.8, (12, 2)), jnp.float32)
+        os.environ["QJAX_KERNELS"] = "reference"
+        ref = np.asarray(experts(xs, idx, wts))
+        os.environ["QJAX_KERNELS"] = "interpret"
+        from flax import nnx
+        from qjax.sharding import set_plan, state_shardings
+
+        gd, st = nnx.split(experts)
+        flat = nnx.to_flat_state(st)
+        ep_spec = NamedSharding(plan.mesh, P(("expert", "tensor")))
+        for _, v in flat:
+            v.set_value(jax.device_put(v.get_value(), ep_spec))
+        sharded = nnx.merge(gd, nnx.from_flat_state(flat))
+        got = jax.jit(lambda a, b, c: expert_parallel(sharded, a, b, c, plan))(xs, idx, wts)
+        out["moe_expert_parallel"] = float(np.abs(np.asarray(got) - ref).max() / np.abs(ref).max())
+    finally:
+        os.environ.pop("QJAX_KERNELS", None)
+    return out
 
 
 def _expected_bytes(model) -> tuple[int, int, list[str]]:

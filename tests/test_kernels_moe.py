@@ -339,3 +339,32 @@ def test_lowers_for_h200(name):
 @pytest.mark.parametrize("name, fn, specs", [pytest.param(*c, id=c[0]) for c in _odd_lowering_cases()])
 def test_odd_shapes_lower_for_h200(name, fn, specs):
     assert _lower_for_h200(fn, specs).count(_TRITON_TARGET) == 2
+
+
+@pytest.mark.parametrize("n", [37, 3])
+def test_dropped_slots(n):
+    """Ids outside [0, E) (how expert parallelism passes other devices' experts) add nothing: equal to the same
+    routing with those slots' weights zeroed — for the Pallas kernels (both alignments) and every reference path."""
+    from qjax.kernels.moe_reference import experts_blocked, experts_gather, experts_grouped
+    from qjax.kernels.reference import dequantize_experts
+
+    case = CASES["odd_int4_asym_g32_g8"]
+    x, idx, w, gu, dn = _data(case, n, jnp.float32, seed=3)
+    gm, dm = case.metas()
+    drop = np.random.default_rng(5).random(idx.shape) < 0.5
+    dropped = jnp.where(drop, jnp.where(jnp.asarray(drop[:, :1]), -1, case.experts + 3), idx)
+    zeroed = jnp.where(drop, 0.0, w)
+    want = moe_experts(x, idx, zeroed, (*gu, gm), (*dn, dm))
+    out, ref = _run(case, x, dropped, w, gu, dn)
+    assert _rel_err(ref, want) <= 1e-6 and _rel_err(out, want) <= F32_TOL
+    gfn = lambda sel: dequantize_experts(*gu, gm, sel, jnp.float32)  # noqa: E731
+    dfn = lambda sel: dequantize_experts(*dn, dm, sel, jnp.float32)  # noqa: E731
+    for path in (experts_blocked, experts_grouped):
+        assert _rel_err(path(x, dropped, w, gfn, dfn, case.experts), want) <= 1e-6, path.__name__
+    assert _rel_err(experts_gather(x, dropped, w, gfn, dfn, case.experts), want) <= 1e-6
+    for dense in (True, False):
+        blk_expert, row_slot, slot_row = map(np.asarray, _align(dropped, case.experts, 16, dense=dense))
+        kept = ~drop
+        assert np.all(slot_row[drop] >= row_slot.shape[0])
+        assert np.sum(row_slot < n * case.top_k) == kept.sum()  # no row for a dropped slot
+        np.testing.assert_array_equal(row_slot[slot_row[kept]], np.flatnonzero(kept.reshape(-1)))

@@ -44,9 +44,23 @@ class PackedWeight(nnx.Module):
 
 
 class QuantLinear(PackedWeight):
-    """Drop-in for :class:`qjax.layers.Linear` with a packed weight."""
+    """Drop-in for :class:`qjax.layers.Linear` with a packed weight.
+
+    On a mesh whose ``tensor`` axis splits this weight (``tp_split`` "col" or "row", set by
+    :func:`qjax.sharding.set_plan`), the kernel runs per device on its own shard (:func:`qjax.sharding.tensor_parallel_qmatmul`):
+    a Pallas call under plain GSPMD would see the gathered weight.
+    """
+
+    def __init__(self, meta: QuantMeta, *, lead: tuple[int, ...] = ()):
+        super().__init__(meta, lead=lead)
+        self.mesh_plan = None
+        self.tp_split = None
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        if self.tp_split is not None:
+            from qjax.sharding import tensor_parallel_qmatmul
+
+            return tensor_parallel_qmatmul(x, self.arrays(), self.meta, self.tp_split, self.mesh_plan)
         return qmatmul(x, *self.arrays(), self.meta)
 
 
