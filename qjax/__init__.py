@@ -17,6 +17,7 @@ from .generate import GenerationConfig, extend, generate, stream
 from .loading import LoadError, load_model
 from .model import Qwen3_5MoeForCausalLM, init_model
 from .safetensors_io import SafetensorsError
+from .sharding import MeshError
 
-__all__ = ["Cache", "ConfigError", "GenerationConfig", "extend", "generate", "stream", "LoadError", "SafetensorsError", "TextConfig", "Qwen3_5MoeForCausalLM", "init_model",
+__all__ = ["Cache", "ConfigError", "GenerationConfig", "extend", "generate", "stream", "LoadError", "MeshError", "SafetensorsError", "TextConfig", "Qwen3_5MoeForCausalLM", "init_model",
            "load_model"]
