@@ -8,6 +8,25 @@ from qjax import xla_env  # noqa: E402
 
 xla_env.apply(single_threaded=True)
 
+import atexit  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+
+# One persistent XLA compilation cache for the session and every subprocess it starts (env vars are inherited):
+# many tests run the same programs in fresh processes (the built-in model's generate in each CLI test, the same
+# quantize steps before and after a kill), and compiling is most of their time on 2 cores.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="qjax-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0")))
+
 import pytest  # noqa: E402
 import torch
 
