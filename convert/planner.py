@@ -211,10 +211,20 @@ def plan_recipe(config_path: str, recipe: str, *, dtype="bfloat16", mesh=None) -
     """A hypothetical checkpoint of ``config_path``'s model quantized with ``recipe`` (shapes only)."""
     import jax.numpy as jnp
 
+    cfg = TextConfig.from_file(config_path)
+    headers, qc = recipe_headers(cfg, recipe, dtype=dtype)
+    return plan(cfg, headers, qc, dtype=jnp.dtype(dtype), mesh=mesh)
+
+
+def recipe_headers(cfg: TextConfig, recipe: str, *, dtype="bfloat16"
+                   ) -> tuple[dict[str, tuple[tuple[int, ...], str]], QuantizationConfig | None]:
+    """The tensor names, shapes and safetensors dtypes an RTN checkpoint of ``cfg`` with ``recipe`` would hold,
+    and the parsed quantization config (None for bf16)."""
+    import jax.numpy as jnp
+
     from qjax.model import abstract_model
     from qjax.quant.rtn import _is_linear, _quantized_entries
 
-    cfg = TextConfig.from_file(config_path)
     raw = recipe_to_qconfig(recipe)
     qc = None if raw is None else QuantizationConfig.from_dict(raw, source=f"recipe {recipe!r}")
     dense = abstract_model(cfg, dtype=jnp.dtype(dtype))
@@ -241,7 +251,7 @@ def plan_recipe(config_path: str, recipe: str, *, dtype="bfloat16", mesh=None) -
                 n = 1 if qc.kv_cache.strategy == "tensor" else cfg.num_key_value_heads
                 headers[f"model.layers.{i}.self_attn.k_scale"] = ((n,), "F32")
                 headers[f"model.layers.{i}.self_attn.v_scale"] = ((n,), "F32")
-    return plan(cfg, headers, qc, dtype=jnp.dtype(dtype), mesh=mesh)
+    return headers, qc
 
 
 def _gib(n: float) -> str:
