@@ -68,7 +68,7 @@ def main(name: str, out_path: str, work: str) -> None:
         single_bytes = sum(device_bytes(one).values())
         entry = report["checkpoints"][name] = {"single_bytes": single_bytes, "meshes": {}}
         for mesh_name, mesh in MESHES.items():
-            m = qjax.load_model(folder, dtype=jnp.float32, mesh=mesh)
+            m, sent = _load_counting_transfers(folder, mesh)
             out = np.asarray(m(ids, mask))
             got = qjax.generate(m, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[])
             diff = np.abs(out - base)
@@ -82,6 +82,7 @@ def main(name: str, out_path: str, work: str) -> None:
                 "new_tokens": got[:, ids.shape[1]:].tolist(),
                 "devices": len(per_device),
                 "device_bytes": sorted(per_device.values()),
+                "bytes_sent": sorted(sent.values()),
                 "expected_device_bytes": expected,
                 "replicated_bytes": replicated,
                 "split": split_names,
@@ -99,6 +100,26 @@ def main(name: str, out_path: str, work: str) -> None:
         report["errors"]["odd_batch"] = str(e)
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
+
+
+def _load_counting_transfers(folder: str, mesh: dict):
+    """load_model on ``mesh``, counting the bytes each device receives from the host while loading."""
+    import qjax.loading as loading
+
+    sent: dict = {}
+    real = jax.device_put
+
+    def counting(x, device=None, *args, **kwargs):
+        if device is not None and hasattr(x, "nbytes"):
+            sent[device] = sent.get(device, 0) + int(x.nbytes)
+        return real(x, device, *args, **kwargs)
+
+    loading.jax.device_put = counting
+    try:
+        model = qjax.load_model(folder, dtype=jnp.float32, mesh=mesh)
+    finally:
+        loading.jax.device_put = real
+    return model, sent
 
 
 def _pallas_under_mesh() -> dict:

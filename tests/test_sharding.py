@@ -68,6 +68,8 @@ def test_each_device_holds_its_share(report, ckpt, mesh):
     single = report["checkpoints"][ckpt]["single_bytes"]
     r = report["checkpoints"][ckpt]["meshes"][mesh]
     assert set(r["device_bytes"]) == {r["expected_device_bytes"]}
+    # loading sent each device exactly its own shards: no device ever received a whole split tensor
+    assert r["bytes_sent"] == r["device_bytes"]
     assert r["planned_device_bytes"] == r["expected_device_bytes"]  # qjax inspect --mesh predicts it
     sharded = single - r["replicated_bytes"]
     sizes = MESHES[mesh]
