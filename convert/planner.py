@@ -289,6 +289,7 @@ def format_plan(p: Plan, *, title: str) -> str:
                   f"  KV cache: {p.mesh_kv_bytes_per_token / 1024:,.2f} KiB per token per sequence; GDN state: "
                   f"{_gib(p.mesh_gdn_bytes_per_sequence)} per sequence"]
         for ctx in (4096, 32768, 262144):
+            total = p.mesh_device_bytes + ctx * p.mesh_kv_bytes_per_token + p.mesh_gdn_bytes_per_sequence
             lines.append(f"  batch {p.mesh['data']} at {ctx:>7,} tokens (1 sequence per device): weights + KV + "
-                         f"state = {_gib(p.mesh_device_bytes + ctx * p.mesh_kv_bytes_per_token + p.mesh_gdn_bytes_per_sequence)}")
+                         f"state = {_gib(total)}")
     return "\n".join(lines)

@@ -162,7 +162,6 @@ def _pallas_under_mesh() -> dict:
         ref = np.asarray(experts(xs, idx, wts))
         os.environ["QJAX_KERNELS"] = "interpret"
         from flax import nnx
-        from qjax.sharding import set_plan, state_shardings
 
         gd, st = nnx.split(experts)
         flat = nnx.to_flat_state(st)

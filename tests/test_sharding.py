@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 
-import jax.numpy as jnp
 import pytest
 
 from hf_util import tiny_text_config

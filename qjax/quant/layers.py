@@ -47,8 +47,8 @@ class QuantLinear(PackedWeight):
     """Drop-in for :class:`qjax.layers.Linear` with a packed weight.
 
     On a mesh whose ``tensor`` axis splits this weight (``tp_split`` "col" or "row", set by
-    :func:`qjax.sharding.set_plan`), the kernel runs per device on its own shard (:func:`qjax.sharding.tensor_parallel_qmatmul`):
-    a Pallas call under plain GSPMD would see the gathered weight.
+    :func:`qjax.sharding.set_plan`), the kernel runs per device on its own shard
+    (:func:`qjax.sharding.tensor_parallel_qmatmul`): a Pallas call under plain GSPMD would see the gathered weight.
     """
 
     def __init__(self, meta: QuantMeta, *, lead: tuple[int, ...] = ()):
