@@ -91,6 +91,8 @@ def main(name: str, out_path: str, work: str) -> None:
             }
     if name == "quantized":
         report["pallas"] = _pallas_under_mesh()
+    else:
+        report["random_model"] = _random_model_on_mesh(cfg, ids)
     # bad batch: the data axis must divide it
     m = qjax.load_model(folder, dtype=jnp.float32, mesh=MESHES["2x1x4"])
     try:
@@ -100,6 +102,19 @@ def main(name: str, out_path: str, work: str) -> None:
         report["errors"]["odd_batch"] = str(e)
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
+
+
+def _random_model_on_mesh(cfg, ids) -> dict:
+    """qjax.random_model made directly in its shards equals the one-device model (same seed)."""
+    from qjax.random_model import random_model
+
+    recipe = "experts=int2:g32,rest=int4:g16"
+    one = np.asarray(random_model(cfg, recipe, dtype=jnp.float32, seed=1)(ids))
+    m = random_model(cfg, recipe, dtype=jnp.float32, seed=1, mesh=MESHES["1x2x4"])
+    got = np.asarray(m(ids))
+    expected, _, _ = _expected_bytes(m)
+    return {"worst_over_tol": float((np.abs(got - one) / (1e-5 + 1e-5 * np.abs(one))).max()),
+            "device_bytes": sorted(device_bytes(m).values()), "expected_device_bytes": expected}
 
 
 def _load_counting_transfers(folder: str, mesh: dict):

@@ -94,6 +94,12 @@ def test_pallas_kernels_run_per_shard(report):
     assert max(report["pallas"].values()) <= 1e-5, report["pallas"]
 
 
+def test_random_model_made_in_shards(report):
+    """qjax.random_model(mesh=...) creates each shard on its device and computes what the one-device model does."""
+    r = report["random_model"]
+    assert r["worst_over_tol"] <= 1.0 and set(r["device_bytes"]) == {r["expected_device_bytes"]}
+
+
 def test_batch_not_divisible_by_data(report):
     assert report["errors"]["bf16"]["odd_batch"] == "mesh axis data=2 does not divide the batch size 1"
 
