@@ -169,27 +169,12 @@ def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: Q
 
 def _plan_mesh(p: Plan, model, mesh) -> None:
     """Per-device bytes on ``mesh`` from the loader's own PartitionSpec rules (no devices needed)."""
-    import jax
+    from qjax.sharding import abstract_plan, per_device_bytes
 
-    from qjax.loading import _leaf_shapes, _metas
-    from qjax.sharding import AXES, MeshPlan, check_fits, param_spec
-
-    sizes = check_fits(mesh, p.cfg)
-    tp = sizes["tensor"]
-    rules = MeshPlan(mesh=jax.sharding.AbstractMesh(tuple(sizes[a] for a in AXES), AXES),
-                     kv_split=p.cfg.num_key_value_heads % tp == 0, vocab_split=p.cfg.vocab_size % tp == 0)
-    metas = _metas(model)
-    total = replicated = 0
-    for path, leaf in _leaf_shapes(model).items():
-        nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-        spec = param_spec(path, tuple(leaf.shape), rules, metas.get(path[:-1]), warn=lambda _: None)
-        ways = 1
-        for entry in spec:
-            for axis in (entry if isinstance(entry, tuple) else (entry,)):
-                ways *= sizes[axis] if axis is not None else 1
-        total += nbytes // ways
-        replicated += nbytes if ways == 1 else 0
-    p.mesh, p.mesh_device_bytes, p.mesh_replicated_bytes = sizes, total, replicated
+    rules = abstract_plan(mesh, p.cfg)
+    tp = rules.size("tensor")
+    p.mesh = {a: rules.size(a) for a in ("data", "tensor", "expert")}
+    p.mesh_device_bytes, p.mesh_replicated_bytes = per_device_bytes(model, rules)
     p.mesh_kv_bytes_per_token = p.kv_bytes_per_token // (tp if rules.kv_split else 1)
     p.mesh_gdn_bytes_per_sequence = p.gdn_bytes_per_sequence // tp
 

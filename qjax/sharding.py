@@ -136,8 +136,18 @@ def plan_mesh(mesh: Mapping[str, int] | str | Mesh, cfg: TextConfig, devices=Non
     """Check that ``mesh`` divides ``cfg``'s heads, channels and experts (before any device is touched); raise
     :class:`MeshError` naming the axis and the dimension when it does not."""
     sizes = check_fits(mesh, cfg)
-    nkv, tp = cfg.num_key_value_heads, sizes["tensor"]
-    return MeshPlan(mesh=make_mesh(mesh, devices), kv_split=nkv % tp == 0, vocab_split=cfg.vocab_size % tp == 0)
+    return _plan(make_mesh(mesh, devices), sizes, cfg)
+
+
+def abstract_plan(mesh: Mapping[str, int] | str | Mesh, cfg: TextConfig) -> MeshPlan:
+    """:func:`plan_mesh` on an abstract mesh of the same axis sizes: for planning without devices."""
+    sizes = check_fits(mesh, cfg)
+    return _plan(jax.sharding.AbstractMesh(tuple(sizes[a] for a in AXES), AXES), sizes, cfg)
+
+
+def _plan(mesh, sizes: dict[str, int], cfg: TextConfig) -> MeshPlan:
+    tp = sizes["tensor"]
+    return MeshPlan(mesh=mesh, kv_split=cfg.num_key_value_heads % tp == 0, vocab_split=cfg.vocab_size % tp == 0)
 
 
 def check_fits(mesh: Mapping[str, int] | str | Mesh, cfg: TextConfig) -> dict[str, int]:
@@ -256,20 +266,38 @@ def _row_split_ok(shape, n: int, meta, module: str, warn) -> bool:
 
 def state_shardings(model, plan: MeshPlan) -> dict[tuple, NamedSharding]:
     """NamedSharding of every variable of ``model`` (abstract or real), by nnx state path."""
-    from flax import nnx
+    from .loading import _leaf_shapes, _metas
 
-    metas = {}
-    for path, node in nnx.iter_graph(model):
-        if getattr(node, "meta", None) is not None and hasattr(node, "weight_packed"):
-            metas[tuple(path)] = node.meta
-    out, warnings = {}, []
-    for p, v in nnx.to_flat_state(nnx.state(model)):
-        value = v.get_value() if hasattr(v, "get_value") else v.value
-        path = tuple(p)
-        out[path] = plan.sharding(param_spec(path, tuple(value.shape), plan, metas.get(path[:-1]), warnings.append))
+    metas, out, warnings = _metas(model), {}, []
+    for path, leaf in _leaf_shapes(model).items():
+        out[path] = plan.sharding(param_spec(path, tuple(leaf.shape), plan, metas.get(path[:-1]), warnings.append))
     for message in dict.fromkeys(warnings):  # once per module (packed fields repeat it)
         logger.warning("%s", message)
     return out
+
+
+def split_ways(spec: P, plan: MeshPlan) -> int:
+    """Into how many parts a variable with PartitionSpec ``spec`` is cut (1: replicated)."""
+    ways = 1
+    for entry in spec:
+        for axis in entry if isinstance(entry, tuple) else (entry,):
+            ways *= plan.size(axis) if axis is not None else 1
+    return ways
+
+
+def per_device_bytes(model, plan: MeshPlan) -> tuple[int, int]:
+    """(bytes one device holds, bytes replicated on every device) for ``model`` (abstract or real) on ``plan``,
+    from the PartitionSpec rules alone (no devices needed)."""
+    from .loading import _leaf_shapes, _metas
+
+    metas = _metas(model)
+    held = replicated = 0
+    for path, leaf in _leaf_shapes(model).items():
+        nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        ways = split_ways(param_spec(path, tuple(leaf.shape), plan, metas.get(path[:-1]), warn=lambda _: None), plan)
+        held += nbytes // ways
+        replicated += nbytes if ways == 1 else 0
+    return held, replicated
 
 
 def cache_shardings(cache, plan: MeshPlan):
@@ -287,22 +315,6 @@ def cache_shardings(cache, plan: MeshPlan):
         else:
             slots.append(GDNState(conv=s(P(None, dp, None, tp)), recurrent=s(P(None, dp, tp, None, None))))
     return Cache(slots=tuple(slots), key_valid=s(P(dp, None)), positions=s(P(dp)), index=s(P()))
-
-
-def shard_model(model, plan: MeshPlan):
-    """Move an in-memory model's variables onto the mesh (each device receives only its shards)."""
-    from flax import nnx
-
-    shardings = state_shardings(model, plan)
-    graphdef, state = nnx.split(model)
-    flat = nnx.to_flat_state(state)
-    for p, v in flat:
-        value = v.get_value() if hasattr(v, "get_value") else v.value
-        new = jax.device_put(value, shardings[tuple(p)])
-        v.set_value(new) if hasattr(v, "set_value") else setattr(v, "value", new)
-    out = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    set_plan(out, plan)
-    return out
 
 
 def set_plan(model, plan: MeshPlan | None) -> None:

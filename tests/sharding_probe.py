@@ -30,7 +30,7 @@ from qjax.convert.hf_writer import save_pretrained  # noqa: E402
 from qjax.convert.planner import plan_folder, recipe_to_qconfig  # noqa: E402
 from qjax.model import init_model  # noqa: E402
 from qjax.quant.rtn import quantize_model  # noqa: E402
-from qjax.sharding import MeshError, device_bytes, state_shardings  # noqa: E402
+from qjax.sharding import MeshError, device_bytes, per_device_bytes, split_ways, state_shardings  # noqa: E402
 
 MESHES = {"1x8x1": {"data": 1, "tensor": 8, "expert": 1},
           "1x2x4": {"data": 1, "tensor": 2, "expert": 4},
@@ -193,24 +193,10 @@ def _pallas_under_mesh() -> dict:
 
 def _expected_bytes(model) -> tuple[int, int, list[str]]:
     """Bytes one device should hold if every variable is cut into exactly as many parts as its spec names."""
-    from flax import nnx
-
-    shardings = state_shardings(model, model.mesh_plan)
-    total = replicated = 0
-    split = []
-    for p, v in nnx.to_flat_state(nnx.state(model)):
-        value = v.get_value() if hasattr(v, "get_value") else v.value
-        nbytes = value.size * value.dtype.itemsize
-        ways = 1
-        for entry in shardings[tuple(p)].spec:
-            for axis in (entry if isinstance(entry, tuple) else (entry,)):
-                ways *= model.mesh_plan.size(axis) if axis is not None else 1
-        total += nbytes // ways
-        if ways == 1:
-            replicated += nbytes
-        else:
-            split.append(".".join(map(str, p)))
-    return total, replicated, split
+    plan = model.mesh_plan
+    held, replicated = per_device_bytes(model, plan)
+    split = [".".join(map(str, p)) for p, s in state_shardings(model, plan).items() if split_ways(s.spec, plan) > 1]
+    return held, replicated, split
 
 
 def _cache_shards(model) -> dict:
