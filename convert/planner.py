@@ -68,7 +68,8 @@ def recipe_to_qconfig(recipe: str) -> dict | None:
         with open(recipe, encoding="utf-8") as f:
             raw = json.load(f)
         return raw.get("quantization_config", raw)
-    spec = PRESETS.get(recipe, recipe)
+    # a preset may also appear as an item, e.g. "w2w4,kv=fp8" or "w2w4,lm_head=int4:g128"
+    spec = ",".join(PRESETS.get(item.strip(), item) for item in recipe.split(","))
     groups, kv, ignore = {}, None, ["lm_head"]
     rest = None
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -194,9 +195,13 @@ def plan_folder(path: str, *, dtype=None, mesh=None) -> Plan:
 
 def plan_recipe(config_path: str, recipe: str, *, dtype="bfloat16", mesh=None) -> Plan:
     """A hypothetical checkpoint of ``config_path``'s model quantized with ``recipe`` (shapes only)."""
+    return plan_recipe_cfg(TextConfig.from_file(config_path), recipe, dtype=dtype, mesh=mesh)
+
+
+def plan_recipe_cfg(cfg: TextConfig, recipe: str, *, dtype="bfloat16", mesh=None) -> Plan:
+    """:func:`plan_recipe` for a parsed config."""
     import jax.numpy as jnp
 
-    cfg = TextConfig.from_file(config_path)
     headers, qc = recipe_headers(cfg, recipe, dtype=dtype)
     return plan(cfg, headers, qc, dtype=jnp.dtype(dtype), mesh=mesh)
 

@@ -6,10 +6,10 @@ a Pallas (Triton) kernel with the same signature:
 - :func:`moe_experts`: routed SwiGLU experts with packed ``[E, …]`` weights and the routing-weight combine.
 """
 
-from .dispatch import IMPLS, resolve
+from .dispatch import IMPLS, resolve, use
 from .moe_reference import routed_experts
 from .ops import moe_experts, qmatmul
 from .reference import QuantMeta, dequantize, dequantize_experts, unpack_int
 
 __all__ = ["IMPLS", "QuantMeta", "dequantize", "dequantize_experts", "moe_experts", "qmatmul", "resolve",
-           "routed_experts", "unpack_int"]
+           "routed_experts", "unpack_int", "use"]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from .reference import QuantMeta, dequantize_experts
 
+
 def _dot_out_in(x: jnp.ndarray, w: jnp.ndarray, spec: str) -> jnp.ndarray:
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jnp.einsum(spec, x, w.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
@@ -123,8 +124,6 @@ def routed_experts(x, idx, weights, gate_up: WeightFn, down: WeightFn, *, num_ex
     return experts_blocked(x, idx, weights, gate_up, down, num_experts)
 
 
-
-
 def moe_experts(x, idx, weights, gate_up: tuple, down: tuple) -> jnp.ndarray:
     """Routed SwiGLU experts with packed weights: ``Σ_k w_k · down_e(silu(gate_e x) · up_e x)``.
 
@@ -146,3 +145,15 @@ def moe_experts(x, idx, weights, gate_up: tuple, down: tuple) -> jnp.ndarray:
         return dequantize_experts(*down[:3], dn_meta, sel, x.dtype)
 
     return routed_experts(x, idx, weights, gu, dn, num_experts=num_experts)
+
+
+def moe_experts_dequant_all(x, idx, weights, gate_up: tuple, down: tuple) -> jnp.ndarray:
+    """The naive baseline (``impl="xla"``): dequantize every expert on every call, then :func:`experts_grouped`.
+
+    Same contract and result as :func:`moe_experts`; it reads and writes all ``E`` experts' dense weights each call,
+    which is what a plain-XLA port without kernels does and what the Pallas kernels avoid.
+    """
+    dense_gu = dequantize_experts(*gate_up[:3], gate_up[3], None, x.dtype)
+    dense_dn = dequantize_experts(*down[:3], down[3], None, x.dtype)
+    return experts_grouped(x, idx, weights, lambda sel: dense_gu, lambda sel: dense_dn,
+                           num_experts=dense_gu.shape[0])

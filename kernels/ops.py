@@ -12,7 +12,7 @@ from .reference import QuantMeta
 def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str | None = None) -> jnp.ndarray:
     """``x [..., K] @ dequant(W)ᵀ`` → ``[..., N]`` in x's dtype, fp32 accumulation (see :mod:`.reference`)."""
     which = resolve(impl)
-    if which == "reference":
+    if which in ("reference", "xla"):  # the reference already dequantizes the whole weight, then one dot
         return reference.qmatmul(x, packed, scale, zero, meta)
     from .qmatmul_pallas import qmatmul_pallas
 
@@ -24,6 +24,8 @@ def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | Non
     which = resolve(impl)
     if which == "reference":
         return moe_reference.moe_experts(x, idx, weights, gate_up, down)
+    if which == "xla":
+        return moe_reference.moe_experts_dequant_all(x, idx, weights, gate_up, down)
     from .moe_pallas import moe_experts_pallas
 
     return moe_experts_pallas(x, idx, weights, gate_up, down, interpret=which == "interpret")

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from .cache import Cache
+from .kernels import use as use_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +104,12 @@ class _Sampling:
 # ---------------------------------------------------------------------------------------------------------------------
 # jitted programs
 # ---------------------------------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _prefill(graphdef, state, cache: Cache, input_ids, attention_mask):
-    model = nnx.merge(graphdef, state)
-    out = model.forward(input_ids, attention_mask=attention_mask, cache=cache, last_only=True)
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("impl",), donate_argnums=(2,))
+def _prefill(graphdef, state, cache: Cache, input_ids, attention_mask, impl: str | None = None):
+    """``impl``: the kernel implementation to trace with (None: the default; :mod:`qjax.bench` times others)."""
+    with use_kernels(impl):
+        model = nnx.merge(graphdef, state)
+        out = model.forward(input_ids, attention_mask=attention_mask, cache=cache, last_only=True)
     return out.logits[:, -1], out.cache
 
 
@@ -146,9 +149,15 @@ def _step(graphdef, state, cache: Cache, logits, key, s: _Sampling, done):
     return tok, out.logits[:, -1], out.cache, done
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(2,))
-def _decode_loop(graphdef, state, cache: Cache, logits, key, s: _Sampling, max_new_tokens: int):
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), static_argnames=("impl",), donate_argnums=(2,))
+def _decode_loop(graphdef, state, cache: Cache, logits, key, s: _Sampling, max_new_tokens: int,
+                 impl: str | None = None):
     """All decode steps in one program; stops early once every row has emitted a stop token."""
+    with use_kernels(impl):
+        return _decode_loop_body(graphdef, state, cache, logits, key, s, max_new_tokens)
+
+
+def _decode_loop_body(graphdef, state, cache: Cache, logits, key, s: _Sampling, max_new_tokens: int):
     b = logits.shape[0]
     model = nnx.merge(graphdef, state)
     tokens = jnp.full((b, max_new_tokens), s.pad, jnp.int32)

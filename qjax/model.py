@@ -207,10 +207,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = SparseMoeBlock(cfg, dtype=dtype, rngs=rngs, quant=quant)
 
     def __call__(self, h: jnp.ndarray, ctx: StepContext, state):
+        # named scopes label the ops in profiles (qjax bench --profile) with the module that issued them
         mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
-        out, state = mixer(self.input_layernorm(h), ctx, state)
+        with jax.named_scope("linear_attn" if self.layer_type == LINEAR else "self_attn"):
+            out, state = mixer(self.input_layernorm(h), ctx, state)
         h = h + out
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        with jax.named_scope("mlp"):
+            h = h + self.mlp(self.post_attention_layernorm(h))
         return h, state
 
 
@@ -384,7 +387,8 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         h, new_slots, outs = self.run_layers(h, ctx, None if cache is None else cache.slots, output_hidden_states)
         hidden_states = jnp.concatenate([h0[None], outs]) if output_hidden_states else None
         h = self.norm(h)
-        logits = self.logits_from_hidden(h[:, -1:] if last_only else h)
+        with jax.named_scope("lm_head"):
+            logits = self.logits_from_hidden(h[:, -1:] if last_only else h)
         new_cache = None
         if cache is not None:
             t = input_ids.shape[1]

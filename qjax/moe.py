@@ -64,12 +64,15 @@ class SparseMoeBlock(nnx.Module):
         """``x [B, T, H]`` → ``[B, T, H]``."""
         b, t, h = x.shape
         xf = x.reshape(b * t, h)
-        weights, idx = route(self.gate(xf), self.top_k)
-        if self.mesh_plan is not None:
-            from .sharding import expert_parallel
+        with jax.named_scope("router"):
+            weights, idx = route(self.gate(xf), self.top_k)
+        with jax.named_scope("experts"):
+            if self.mesh_plan is not None:
+                from .sharding import expert_parallel
 
-            routed = expert_parallel(self.experts, xf, idx, weights, self.mesh_plan)
-        else:
-            routed = self.experts(xf, idx, weights)
-        shared = jax.nn.sigmoid(self.shared_expert_gate(xf)) * self.shared_expert(xf)
+                routed = expert_parallel(self.experts, xf, idx, weights, self.mesh_plan)
+            else:
+                routed = self.experts(xf, idx, weights)
+        with jax.named_scope("shared_expert"):
+            shared = jax.nn.sigmoid(self.shared_expert_gate(xf)) * self.shared_expert(xf)
         return (routed.astype(x.dtype) + shared).reshape(b, t, h)

@@ -30,15 +30,11 @@ def random_model(cfg: TextConfig, recipe: str = "bf16", *, dtype=jnp.bfloat16, s
     Float weights follow the model's own initialisation; packed words are uniformly random bits, scales are sized so
     activations keep unit scale (``1 / (√K · 2^(bits-1))``), zero points random, FP8 KV scales 1/64.
     """
-    from .convert.planner import recipe_headers
     from .loading import _metas
-    from .loading_quant import plan_quantization
 
     dtype = jnp.dtype(dtype)
-    headers, qc = recipe_headers(cfg, recipe, dtype=dtype.name)
-    quant = plan_quantization(cfg, qc, set(headers), lambda k: headers[k][1], text_prefix="model.",
-                              source=f"recipe {recipe!r}")
-    model = abstract_model(cfg, dtype=dtype, quant=quant)
+    model = abstract_recipe_model(cfg, recipe, dtype=dtype)
+    quant = model.quant
     plan = shardings = None
     if mesh is not None:
         from .sharding import plan_mesh, set_plan, state_shardings
@@ -63,6 +59,17 @@ def random_model(cfg: TextConfig, recipe: str = "bf16", *, dtype=jnp.bfloat16, s
     for (_, v), a in zip(flat, arrays):
         v.set_value(a) if hasattr(v, "set_value") else setattr(v, "value", a)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def abstract_recipe_model(cfg: TextConfig, recipe: str = "bf16", *, dtype=jnp.bfloat16) -> Qwen3_5MoeForCausalLM:
+    """The model ``recipe`` makes of ``cfg``, with abstract (shape-only) variables: sizes and bytes, no memory."""
+    from .convert.planner import recipe_headers
+    from .loading_quant import plan_quantization
+
+    headers, qc = recipe_headers(cfg, recipe, dtype=jnp.dtype(dtype).name)
+    quant = plan_quantization(cfg, qc, set(headers), lambda k: headers[k][1], text_prefix="model.",
+                              source=f"recipe {recipe!r}")
+    return abstract_model(cfg, dtype=jnp.dtype(dtype), quant=quant)
 
 
 def _randomize(path: tuple, value: jax.Array, meta, key: jax.Array) -> jax.Array:

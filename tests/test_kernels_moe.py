@@ -368,3 +368,36 @@ def test_dropped_slots(n):
         assert np.all(slot_row[drop] >= row_slot.shape[0])
         assert np.sum(row_slot < n * case.top_k) == kept.sum()  # no row for a dropped slot
         np.testing.assert_array_equal(row_slot[slot_row[kept]], np.flatnonzero(kept.reshape(-1)))
+
+
+@pytest.mark.parametrize("name, n", [("odd_int2_g64_g20", 1), ("odd_int4_asym_g32_g8", 7), ("mxfp8", 3)])
+def test_xla_baseline_matches_reference(name, n):
+    """The benchmarks' plain-XLA baseline (``impl="xla"``: every expert dequantized, then ragged_dot) computes the
+    same function as the reference, dropped slots included (f32: both sum k fp32 products per output)."""
+    from qjax.kernels import moe_experts as entry
+
+    case = CASES[name]
+    x, idx, w, gu, dn = _data(case, n, jnp.float32, seed=11)
+    idx = idx.at[0, 0].set(-1)  # one dropped slot
+    gm, dm = case.metas()
+    ref = entry(x, idx, w, (*gu, gm), (*dn, dm), impl="reference")
+    out = entry(x, idx, w, (*gu, gm), (*dn, dm), impl="xla")
+    assert _rel_err(out, ref) <= 1e-6
+
+
+def test_kernel_scope():
+    """``qjax.kernels.use`` picks the implementation for calls traced inside it, nests, restores, and names the
+    choices when given a wrong one."""
+    from qjax.kernels import IMPLS, resolve, use
+
+    outside = resolve()
+    with use("xla"):
+        assert resolve() == "xla"
+        with use("interpret"):
+            assert resolve() == "interpret"
+        assert resolve() == "xla" and resolve("reference") == "reference"
+    assert resolve() == outside
+    with pytest.raises(ValueError, match="kernel implementation must be one of") as e:
+        with use("triton"):
+            pass
+    assert all(i in str(e.value) for i in IMPLS)
