@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# One call on the lent H200: GPU correctness (Pallas vs reference) and all kernel timings, one table, < 8 minutes.
+# The lent H200's checks, one call per phase (each fits the 10-minute call limit):
+#   benchmarks/gpu/run.sh kernels   GPU correctness (Pallas vs reference) and all kernel timings, one table, < 8 min
+#   benchmarks/gpu/run.sh e2e       full-size Qwen3.6-35B-A3B, random weights: prefill/decode/TTFT/memory per
+#                                   recipe + per-op profile of batch-1 decode, one table, < 8 min (issue 8)
+#   benchmarks/gpu/run.sh           both (only when the session has the device time for two phases)
+# Results land in $OUT (kernels.txt, e2e.md, e2e.json); copy the tables into benchmarks/RESULTS.md.
 # The GPU image cannot install packages, so qjax is made importable from the working tree through a symlinked
 # package folder (kernels/ -> qjax.kernels, convert/ -> qjax.convert), exactly as pyproject maps them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
+PHASE=${1:-all}
+case "$PHASE" in kernels|e2e|all) ;; *) echo "usage: $0 [kernels|e2e|all]" >&2; exit 2;; esac
 PKG=$(mktemp -d)
 mkdir -p "$PKG/qjax"
 for f in "$ROOT"/qjax/*; do ln -s "$f" "$PKG/qjax/$(basename "$f")"; done
@@ -12,9 +19,21 @@ ln -s "$ROOT/kernels" "$PKG/qjax/kernels"
 ln -s "$ROOT/convert" "$PKG/qjax/convert"
 export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONWARNINGS="ignore::DeprecationWarning"
+# the BF16 model is 65 GiB: leave XLA's allocator most of the 141 GB
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt" || true
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-# correctness first (fails the run on a mismatch), then the timings, all in one table
-timeout 450 python3 benchmarks/kernels.py --check --repeats ${REPEATS:-20} "$@" 2>&1 | tee "$OUT/kernels.txt"
+python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+if [[ $PHASE == kernels || $PHASE == all ]]; then
+  # correctness first (fails the run on a mismatch), then the timings, all in one table
+  timeout 450 python3 benchmarks/kernels.py --check --repeats ${REPEATS:-20} 2>&1 | tee "$OUT/kernels.txt"
+fi
+if [[ $PHASE == e2e || $PHASE == all ]]; then
+  # one process per recipe (its own peak memory); e2e.md is rewritten after each recipe, so a run cut short by the
+  # timeout still leaves the recipes it finished. Baseline (plain-XLA dequantize-then-matmul) for w2w4 only: it
+  # doubles the compiles.
+  timeout 460 python3 benchmarks/e2e.py --full --no-write --out "$OUT" --timeout 200 --baseline w2w4 \
+    --recipes ${RECIPES:-w2w4,w8a16-g32,mxfp8-experts,bf16} 2>&1 | tee "$OUT/e2e.txt" || true
+  test -s "$OUT/e2e.md"
+fi
