@@ -42,8 +42,12 @@ CPU_NOTES = """Reading the CPU table:
   through converts there; w2w4 in bf16 decoded 25 tok/s at B = 1 vs 38 in float32, in a trial run).
 - The bound is the copy-bandwidth bound, and on this CPU qjax is nowhere near it: XLA:CPU runs the unpack-shift-
   scale dequantization and the small matmuls on one thread (`--xla_cpu_multi_thread_eigen=false`, see
-  qjax/xla_env.py) at a few GFLOP/s, so decode is compute- and dispatch-bound, not byte-bound. MXFP8 is the slowest
-  at batch 1: float8 → float32 conversion is emulated element by element on XLA:CPU.
+  qjax/xla_env.py), so decode is bound by arithmetic and per-op overhead, not by bytes.
+- MXFP8 is the slowest at batch 1. XLA:CPU has no float8 arithmetic; `qjax bench --profile` showed whole-stack
+  float8 conversions every step, ~12 ms per layer: XLA moves the conversion of the stacked [E, …] weights out of
+  the per-slot loop, so all 256 experts are converted instead of the 8 routed ones. Gathering the float8 bytes as
+  uint8 (commit 128b450, this row) took the profiled step from 113 to 67 ms; a whole-stack reinterpretation still
+  remains.
 - Wall time per recipe (build + compile + all timings): about 3.5 min with the baseline (10 compiled programs, the
   baseline's slow calls), 1 min without (bf16). The 2-minute aim holds only without the baseline; the CI test
   (tests/test_bench.py) runs every recipe on this config at smaller shapes in about 30 s each.

@@ -188,19 +188,10 @@ def decode_bytes(model, batch: int, context: int) -> dict[str, float]:
     return out
 
 
-def prefill_flops(cfg: TextConfig, model, batch: int, tokens: int) -> float:
+def prefill_flops(cfg: TextConfig, batch: int, tokens: int) -> float:
     """Matmul FLOPs of one prefill (weights: 2 per weight per token, routed experts k/E of them; attention scores and
     values over the causal half; the LM head on the last position only, as generation runs it)."""
-    counts: dict[str, int] = defaultdict(int)
-    dense = jax.eval_shape(lambda: _abstract_dense(cfg))
-    for path, v in nnx.to_flat_state(dense):
-        names = [str(p) for p in path]
-        if names[-1] != "weight" and names[-1] not in ("gate_up_proj", "down_proj"):
-            continue
-        kind = ("embed" if "embed_tokens" in names else "lm_head" if "lm_head" in names
-                else "experts" if "experts" in names else "mtp" if "mtp" in names else "other")
-        shape = (v.get_value() if hasattr(v, "get_value") else v.value).shape
-        counts[kind] += math.prod(shape) if len(shape) >= 2 else 0
+    counts = _matmul_params(cfg)
     n = batch * tokens
     flops = 2.0 * n * (counts["other"] + counts["experts"] * cfg.num_experts_per_tok / cfg.num_experts)
     flops += 2.0 * batch * counts["lm_head"]
@@ -209,10 +200,22 @@ def prefill_flops(cfg: TextConfig, model, batch: int, tokens: int) -> float:
     return flops
 
 
-def _abstract_dense(cfg: TextConfig):
+@functools.lru_cache(maxsize=8)
+def _matmul_params(cfg: TextConfig) -> dict[str, int]:
+    """Weights of the dense model by role (``lm_head``, ``experts`` (all routed), ``other``; no embedding, no MTP)."""
     from .model import Qwen3_5MoeForCausalLM
 
-    return nnx.state(Qwen3_5MoeForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    counts: dict[str, int] = defaultdict(int)
+    dense = jax.eval_shape(lambda: nnx.state(Qwen3_5MoeForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    for path, v in nnx.to_flat_state(dense):
+        names = [str(p) for p in path]
+        shape = (v.get_value() if hasattr(v, "get_value") else v.value).shape
+        if len(shape) < 2 or (names[-1] != "weight" and names[-1] not in ("gate_up_proj", "down_proj")):
+            continue
+        if "embed_tokens" in names or "mtp" in names:
+            continue
+        counts["lm_head" if "lm_head" in names else "experts" if "experts" in names else "other"] += math.prod(shape)
+    return dict(counts)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -230,14 +233,13 @@ def time_interleaved(contenders: dict[str, tuple[Callable[[], object], Callable[
     median. Returns ``{name: {"s": median, "compile_s": …, "out": first call's output}}``."""
     out: dict[str, dict] = {}
     for name, (prepare, run) in contenders.items():
-        args = prepare()
+        args = _block(prepare())
         t0 = time.perf_counter()
         first = _block(run(args))
         out[name] = {"first_s": time.perf_counter() - t0, "out": first, "times": []}
     for _ in range(repeats):
         for name, (prepare, run) in contenders.items():
-            args = prepare()
-            _block(args)
+            args = _block(prepare())
             t0 = time.perf_counter()
             _block(run(args))
             out[name]["times"].append(time.perf_counter() - t0)
@@ -313,7 +315,7 @@ def run_bench(model, settings: Settings = Settings(), *, log: Callable[[str], No
         log(f"prefill {b}x{t}")
         # room for a decode of new_tokens + 1, as qjax.generate allocates: TTFT and the decode warm-up reuse it
         res = time_interleaved(prefill_contenders(b, t, t + settings.new_tokens + 1), settings.repeats)
-        rows.append(_row("prefill", b, t, b * t, res, flops=prefill_flops(cfg, model, b, t)))
+        rows.append(_row("prefill", b, t, b * t, res, flops=prefill_flops(cfg, b, t)))
     if settings.prefill:
         b, t = 1, settings.prefill[0][1]
         log(f"time to first token, 1x{t}")
