@@ -377,7 +377,7 @@ def _compiler_params(cfg: MoEConfig):
 def _check(x, idx, weights, gate_up, down):
     gu_meta, dn_meta = gate_up[3], down[3]
     n, h = x.shape
-    e = gate_up[0].shape[0]
+    e = gate_up[0].shape[0]  # with an expert offset: every layer's experts, flattened
     inter = gu_meta.out_features // 2
     if gu_meta.in_features != h or dn_meta.out_features != h or dn_meta.in_features != inter:
         raise ValueError(f"MoE shapes disagree: x {x.shape}, gate_up meta {gu_meta}, down meta {dn_meta}")
@@ -394,14 +394,16 @@ def _check(x, idx, weights, gate_up, down):
             raise ValueError(f"{name}: scale / zero must be [E, N or 1, G]")
 
 
-def _forward(gu_meta: QuantMeta, dn_meta: QuantMeta, interpret: bool, config: MoEConfig | None, x, idx, weights,
-             gu_arrays, dn_arrays):
+def _forward(gu_meta: QuantMeta, dn_meta: QuantMeta, interpret: bool, config: MoEConfig | None, num_experts: int,
+             x, idx, weights, offset, gu_arrays, dn_arrays):
     n, hidden = x.shape
     k = idx.shape[1]
-    num_experts = gu_arrays[0].shape[0]
     inter = gu_meta.out_features // 2
     cfg = config or moe_config(n * k, num_experts, hidden, inter, gu_meta, dn_meta)
     blk_expert, row_slot, slot_row = _align(idx, num_experts, cfg.bm)
+    # the kernels index the weights with the block's expert: + offset reaches this layer's experts inside a stack
+    # of several layers' (no copy of the layer's slice)
+    blk_expert = jnp.where(blk_expert >= 0, blk_expert + offset, -1)
     nb = blk_expert.shape[0]
     rows = nb * cfg.bm
     gu_in = tuple(a for a in gu_arrays if a is not None)
@@ -430,34 +432,36 @@ def _forward(gu_meta: QuantMeta, dn_meta: QuantMeta, interpret: bool, config: Mo
     return jnp.where(kept[..., None], y[jnp.minimum(slot_row, rows - 1)], 0.0).sum(axis=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _moe(gu_meta, dn_meta, interpret, config, x, idx, weights, gu_arrays, dn_arrays):
-    return _forward(gu_meta, dn_meta, interpret, config, x, idx, weights, gu_arrays, dn_arrays)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _moe(gu_meta, dn_meta, interpret, config, num_experts, x, idx, weights, offset, gu_arrays, dn_arrays):
+    return _forward(gu_meta, dn_meta, interpret, config, num_experts, x, idx, weights, offset, gu_arrays, dn_arrays)
 
 
-def _moe_fwd(gu_meta, dn_meta, interpret, config, x, idx, weights, gu_arrays, dn_arrays):
-    out = _forward(gu_meta, dn_meta, interpret, config, x, idx, weights, gu_arrays, dn_arrays)
-    return out, (x, idx, weights, gu_arrays, dn_arrays)
+def _moe_fwd(gu_meta, dn_meta, interpret, config, num_experts, x, idx, weights, offset, gu_arrays, dn_arrays):
+    out = _forward(gu_meta, dn_meta, interpret, config, num_experts, x, idx, weights, offset, gu_arrays, dn_arrays)
+    return out, (x, idx, weights, offset, gu_arrays, dn_arrays)
 
 
-def _moe_bwd(gu_meta, dn_meta, interpret, config, res, g):
+def _moe_bwd(gu_meta, dn_meta, interpret, config, num_experts, res, g):
     del interpret, config
-    x, idx, weights, gu_arrays, dn_arrays = res
+    x, idx, weights, offset, gu_arrays, dn_arrays = res
 
     def ref(x_, w_):
-        return moe_reference.moe_experts(x_, idx, w_, (*gu_arrays, gu_meta), (*dn_arrays, dn_meta))
+        return moe_reference.moe_experts(x_, idx, w_, (*gu_arrays, gu_meta), (*dn_arrays, dn_meta),
+                                         num_experts=num_experts, offset=offset)
 
     _, vjp = jax.vjp(ref, x, weights)
     dx, dw = vjp(g)
     none = functools.partial(jax.tree.map, lambda _: None)
-    return dx, None, dw, none(gu_arrays), none(dn_arrays)
+    return dx, None, dw, None, none(gu_arrays), none(dn_arrays)
 
 
 _moe.defvjp(_moe_fwd, _moe_bwd)
 
 
 def moe_experts_pallas(x, idx, weights, gate_up: tuple, down: tuple, *, interpret: bool = False,
-                       config: MoEConfig | None = None) -> jax.Array:
+                       config: MoEConfig | None = None, num_experts: int | None = None,
+                       expert_offset=None) -> jax.Array:
     """Routed SwiGLU experts with packed weights: ``Σ_k w_k · down_e(silu(gate_e x) · up_e x)`` → ``[N, H]`` fp32.
 
     Args:
@@ -469,6 +473,10 @@ def moe_experts_pallas(x, idx, weights, gate_up: tuple, down: tuple, *, interpre
       interpret: run the Pallas kernels in interpret mode (CPU).
       config: tile override (default :func:`moe_config`'s heuristic), e.g. ``num_stages=1`` if a Triton build
         trips over pipelining the bit-unpacking loop (triton-lang/triton#4906).
+      num_experts, expert_offset: the weights hold several layers' experts flattened (``[G·E, …]``); this call's
+        layer has ``num_experts`` E of them starting at ``expert_offset`` (an int32 scalar, may be traced). Ids stay
+        in ``[0, E)``. Reading a layer inside the stack this way avoids copying its slice out (a scan over stacked
+        layers would otherwise copy every expert of the layer on every step).
     Differentiable w.r.t. ``x`` and ``weights`` (backward through :func:`.moe_reference.moe_experts`).
     """
     _check(x, idx, weights, gate_up, down)
@@ -478,8 +486,10 @@ def moe_experts_pallas(x, idx, weights, gate_up: tuple, down: tuple, *, interpre
         tiles = dataclasses.astuple(config)[:5]
         if any(t < 16 or t & (t - 1) for t in tiles):
             raise ValueError(f"MoE tiles must be powers of two ≥ 16: {config}")
-    return _moe(gate_up[3], down[3], bool(interpret), config, x, idx.astype(jnp.int32), weights, gu_arrays,
-                dn_arrays)
+    num_experts = gu_arrays[0].shape[0] if num_experts is None else int(num_experts)
+    offset = jnp.zeros((), jnp.int32) if expert_offset is None else jnp.asarray(expert_offset, jnp.int32)
+    return _moe(gate_up[3], down[3], bool(interpret), config, num_experts, x, idx.astype(jnp.int32), weights,
+                offset, gu_arrays, dn_arrays)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -124,36 +124,48 @@ def routed_experts(x, idx, weights, gate_up: WeightFn, down: WeightFn, *, num_ex
     return experts_blocked(x, idx, weights, gate_up, down, num_experts)
 
 
-def moe_experts(x, idx, weights, gate_up: tuple, down: tuple) -> jnp.ndarray:
+def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, num_experts: int | None = None,
+                offset=None) -> jnp.ndarray:
     """Routed SwiGLU experts with packed weights: ``Σ_k w_k · down_e(silu(gate_e x) · up_e x)``.
 
     Args:
       x: ``[N, H]`` activations; idx, weights: ``[N, k]`` expert ids (int32) and routing weights.
       gate_up: ``(packed, scale, zero, meta)`` of the stacked ``[E, 2I, H]`` weight (rows ``:I`` gate, ``I:`` up).
       down: the same for ``[E, H, I]``.
+      num_experts, offset: the arrays hold several layers' experts flattened (``[G·E, …]``); this layer's E start at
+        ``offset`` (int32 scalar, may be traced); ids stay in ``[0, E)``. Only the experts read are sliced.
     Returns:
       ``[N, H]`` float32.
     """
     gu_meta: QuantMeta = gate_up[3]
     dn_meta: QuantMeta = down[3]
-    num_experts = gate_up[0].shape[0]
-
-    def gu(sel):
-        return dequantize_experts(*gate_up[:3], gu_meta, sel, x.dtype)
-
-    def dn(sel):
-        return dequantize_experts(*down[:3], dn_meta, sel, x.dtype)
-
+    num_experts = gate_up[0].shape[0] if num_experts is None else num_experts
+    gu = _layer_experts(gate_up[:3], gu_meta, num_experts, offset, x.dtype)
+    dn = _layer_experts(down[:3], dn_meta, num_experts, offset, x.dtype)
     return routed_experts(x, idx, weights, gu, dn, num_experts=num_experts)
 
 
-def moe_experts_dequant_all(x, idx, weights, gate_up: tuple, down: tuple) -> jnp.ndarray:
+def _layer_experts(arrays: tuple, meta: QuantMeta, num_experts: int, offset, dtype) -> WeightFn:
+    """``sel → dense weights`` of this layer's experts ``sel`` (None: all E of them) in a stack starting at
+    ``offset``."""
+    def fn(sel):
+        if offset is None:
+            return dequantize_experts(*arrays, meta, sel, dtype)
+        if sel is None:
+            part = [None if a is None else jax.lax.dynamic_slice_in_dim(a, offset, num_experts) for a in arrays]
+            return dequantize_experts(*part, meta, None, dtype)
+        return dequantize_experts(*arrays, meta, sel + offset, dtype)
+    return fn
+
+
+def moe_experts_dequant_all(x, idx, weights, gate_up: tuple, down: tuple, *, num_experts: int | None = None,
+                            offset=None) -> jnp.ndarray:
     """The naive baseline (``impl="xla"``): dequantize every expert on every call, then :func:`experts_grouped`.
 
     Same contract and result as :func:`moe_experts`; it reads and writes all ``E`` experts' dense weights each call,
     which is what a plain-XLA port without kernels does and what the Pallas kernels avoid.
     """
-    dense_gu = dequantize_experts(*gate_up[:3], gate_up[3], None, x.dtype)
-    dense_dn = dequantize_experts(*down[:3], down[3], None, x.dtype)
-    return experts_grouped(x, idx, weights, lambda sel: dense_gu, lambda sel: dense_dn,
-                           num_experts=dense_gu.shape[0])
+    num_experts = gate_up[0].shape[0] if num_experts is None else num_experts
+    dense_gu = _layer_experts(gate_up[:3], gate_up[3], num_experts, offset, x.dtype)(None)
+    dense_dn = _layer_experts(down[:3], down[3], num_experts, offset, x.dtype)(None)
+    return experts_grouped(x, idx, weights, lambda sel: dense_gu, lambda sel: dense_dn, num_experts=num_experts)

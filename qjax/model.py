@@ -37,6 +37,8 @@ class StepContext:
     key_valid: jnp.ndarray  # [B, S] bool, keys attention may read (after this call's write)
     query_slot: jnp.ndarray  # [T] int32, cache slot of each query (causality: key slot ≤ query slot)
     write_index: jnp.ndarray | None  # [] int32 cache slot of the first new token; None without a cache
+    # [] int32 layer group being run when the routed experts are read inside their [G, E, …] stack (run_layers)
+    expert_group: jnp.ndarray | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -213,7 +215,7 @@ class DecoderLayer(nnx.Module):
             out, state = mixer(self.input_layernorm(h), ctx, state)
         h = h + out
         with jax.named_scope("mlp"):
-            h = h + self.mlp(self.post_attention_layernorm(h))
+            h = h + self.mlp(self.post_attention_layernorm(h), group=ctx.expert_group)
         return h, state
 
 
@@ -350,16 +352,28 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         Returns:
           (h, new slots, per-layer hiddens).
         """
-        graphdef, state = nnx.split(self.groups)
+        # Scanning over the stacked variables slices every layer's weights out of the stack on every step, and XLA
+        # materialises the slices (a copy) before a kernel reads them. The routed experts — most of the bytes — stay
+        # whole instead: the expert kernels read layer g's experts inside the [G, E, …] stack (ctx.expert_group).
+        # On a mesh, expert parallelism shards the experts per layer, so they are sliced as before.
+        stacked = self.mesh_plan is None
+        if stacked:
+            graphdef, experts, state = nnx.split(self.groups, nnx.PathContains("experts"), ...)
+        else:
+            graphdef, state = nnx.split(self.groups)
 
         def body(h, xs):
-            group_state, group_slots = xs
-            h, new_slots, outs = nnx.merge(graphdef, group_state)(h, ctx, group_slots, collect)
-            if self.mesh_plan is not None:  # the residual stream: rows over data, whole on every tensor device
-                h = self.mesh_plan.batch(h)
+            group_state, group_slots, g = xs
+            if stacked:
+                group = nnx.merge(graphdef, experts, group_state)
+                h, new_slots, outs = group(h, ctx.replace(expert_group=g), group_slots, collect)
+            else:
+                h, new_slots, outs = nnx.merge(graphdef, group_state)(h, ctx, group_slots, collect)
+                h = self.mesh_plan.batch(h)  # the residual stream: rows over data, whole on every tensor device
             return h, (new_slots, outs)
 
-        h, (new_slots, outs) = jax.lax.scan(body, h, (state, slots))
+        g = jnp.arange(self.config.num_hidden_layers // len(self.layer_kinds), dtype=jnp.int32)
+        h, (new_slots, outs) = jax.lax.scan(body, h, (state, slots, g))
         if collect:
             outs = outs.reshape(-1, *outs.shape[2:])  # [G, p, B, T, H] → layer g·p + j
         return h, new_slots, outs

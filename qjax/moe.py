@@ -34,8 +34,12 @@ class Experts(nnx.Module):
         self.gate_up_proj = nnx.Param(_normal(rngs, (num_experts, 2 * inter, hidden), std, dtype))
         self.down_proj = nnx.Param(_normal(rngs, (num_experts, hidden, inter), std, dtype))
 
-    def __call__(self, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndarray, group=None) -> jnp.ndarray:
+        """``group``: the weights carry a leading layer-stack axis ``[G, E, …]`` and this is layer ``group``."""
         gu, dn = self.gate_up_proj[...], self.down_proj[...]
+        if group is not None:
+            return routed_experts(x, idx, weights, lambda sel: gu[group] if sel is None else gu[group, sel],
+                                  lambda sel: dn[group] if sel is None else dn[group, sel], num_experts=gu.shape[1])
         return routed_experts(x, idx, weights, lambda sel: gu if sel is None else gu[sel],
                               lambda sel: dn if sel is None else dn[sel], num_experts=gu.shape[0])
 
@@ -60,8 +64,8 @@ class SparseMoeBlock(nnx.Module):
                                  quant=quant, prefix="mlp.shared_expert.")
         self.shared_expert_gate = make_linear("mlp.shared_expert_gate", h, 1, quant, dtype=dtype, std=std, rngs=rngs)
 
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        """``x [B, T, H]`` → ``[B, T, H]``."""
+    def __call__(self, x: jnp.ndarray, group=None) -> jnp.ndarray:
+        """``x [B, T, H]`` → ``[B, T, H]``; ``group``: see :meth:`Experts.__call__`."""
         b, t, h = x.shape
         xf = x.reshape(b * t, h)
         with jax.named_scope("router"):
@@ -72,7 +76,7 @@ class SparseMoeBlock(nnx.Module):
 
                 routed = expert_parallel(self.experts, xf, idx, weights, self.mesh_plan)
             else:
-                routed = self.experts(xf, idx, weights)
+                routed = self.experts(xf, idx, weights) if group is None else self.experts(xf, idx, weights, group)
         with jax.named_scope("shared_expert"):
             shared = jax.nn.sigmoid(self.shared_expert_gate(xf)) * self.shared_expert(xf)
         return (routed.astype(x.dtype) + shared).reshape(b, t, h)

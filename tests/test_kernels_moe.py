@@ -401,3 +401,23 @@ def test_kernel_scope():
         with use("triton"):
             pass
     assert all(i in str(e.value) for i in IMPLS)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "interpret"])
+@pytest.mark.parametrize("n", [1, 9])
+def test_expert_group_in_stack(impl, n):
+    """``group=g`` reads layer g's experts inside a ``[G, E, …]`` stack (how the model's layer scan passes them, so
+    the layer's experts are not copied out): equal to the same call on the sliced layer, dropped slots included."""
+    from qjax.kernels import moe_experts as entry
+
+    case = CASES["odd_int4_asym_g32_g8"]
+    gm, dm = case.metas()
+    layers = [_data(case, n, jnp.float32, seed=20 + i) for i in range(3)]
+    x, idx, w = layers[0][:3]
+    idx = idx.at[0, -1].set(-1)
+    stack = [tuple(None if a[0] is None else jnp.stack(a) for a in zip(*(lay[j] for lay in layers)))
+             for j in (3, 4)]
+    for g in (0, 2):
+        want = entry(x, idx, w, (*layers[g][3], gm), (*layers[g][4], dm), impl="reference")
+        got = jax.jit(lambda g_: entry(x, idx, w, (*stack[0], gm), (*stack[1], dm), impl=impl, group=g_))(g)
+        assert _rel_err(got, want) <= (1e-6 if impl != "interpret" else F32_TOL), (impl, g)

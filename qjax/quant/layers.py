@@ -82,23 +82,28 @@ class QuantExperts(nnx.Module):
         self.down_proj = (PackedWeight(down, lead=(num_experts,)) if down is not None
                           else nnx.Param(jnp.zeros((num_experts, hidden, inter), dtype)))
 
-    def __call__(self, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndarray, group=None) -> jnp.ndarray:
+        """``group``: the arrays carry a leading layer-stack axis ``[G, E, …]`` and this is layer ``group`` (read in
+        place by the kernels; see :func:`qjax.kernels.moe_experts`)."""
         gu, dn = self.gate_up_proj, self.down_proj
         if isinstance(gu, PackedWeight) and isinstance(dn, PackedWeight):
-            return moe_experts(x, idx, weights, (*gu.arrays(), gu.meta), (*dn.arrays(), dn.meta))
-        return routed_experts(x, idx, weights, _expert_weights(gu, x.dtype), _expert_weights(dn, x.dtype),
-                              num_experts=weights_count(gu))
+            return moe_experts(x, idx, weights, (*gu.arrays(), gu.meta), (*dn.arrays(), dn.meta), group=group)
+        return routed_experts(x, idx, weights, _expert_weights(gu, x.dtype, group),
+                              _expert_weights(dn, x.dtype, group), num_experts=weights_count(gu, group))
 
 
-def _expert_weights(w, dtype):
+def _expert_weights(w, dtype, group=None):
     """``sel → dense [*sel.shape, N, K]`` weights (all experts when sel is None) of a packed or dense stack."""
     if isinstance(w, PackedWeight):
-        return lambda sel: dequantize_experts(*w.arrays(), w.meta, sel, dtype)
-    return lambda sel: w[...] if sel is None else w[...][sel]
+        arrays = w.arrays() if group is None else tuple(None if a is None else a[group] for a in w.arrays())
+        return lambda sel: dequantize_experts(*arrays, w.meta, sel, dtype)
+    a = w[...] if group is None else w[...][group]
+    return lambda sel: a if sel is None else a[sel]
 
 
-def weights_count(w) -> int:
-    return (w.weight_packed if isinstance(w, PackedWeight) else w).shape[0]
+def weights_count(w, group=None) -> int:
+    shape = (w.weight_packed if isinstance(w, PackedWeight) else w).shape
+    return shape[0] if group is None else shape[1]
 
 
 def fake_quant_fp8(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
