@@ -619,3 +619,32 @@ def format_profile(result: dict) -> str:
 
 def to_json(result: dict) -> str:
     return json.dumps({k: v for k, v in result.items() if k != "tokens"}, indent=1, default=float)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# deviceless H200 compile of the full-size programs (qjax.kernels.aot_h200 and benchmarks/e2e_aot.py)
+# ---------------------------------------------------------------------------------------------------------------------
+def decode_program(cfg: TextConfig, recipe: str, batch: int = 1, context: int = 512, new_tokens: int = 64, *,
+                   dtype=jnp.bfloat16):
+    """``(fn, arg_specs)``: the decode ``while_loop`` of ``qjax.generate`` for the model ``recipe`` makes of ``cfg``,
+    as a function of abstract (shape-only) state, cache, logits and key — for compiling without weights or device."""
+    from .generate import _decode_loop
+    from .random_model import abstract_recipe_model
+
+    model = abstract_recipe_model(cfg, recipe, dtype=dtype)
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(lambda: model.init_cache(batch, context + new_tokens + 1))
+    logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+
+    def fn(state, cache, logits, key):
+        return _decode_loop(graphdef, state, cache, logits, key, _greedy(), new_tokens + 1)[0]
+
+    return fn, (state, cache, logits, key)
+
+
+def lowering_cases():
+    """The full-size Qwen3.6-35B-A3B decode loop (w2w4, batch 1), for ``qjax.kernels.aot_h200``: every Pallas kernel
+    at its real shapes inside the real program."""
+    fn, specs = decode_program(load_config(), "w2w4")
+    return [("e2e_decode_w2w4_b1", fn, specs)]
