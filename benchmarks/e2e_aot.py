@@ -28,6 +28,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_speed import RESULTS, git_state, write_section  # noqa: E402
 
 SECTION = "## Decode step compiled for H200 without a GPU: weight copies (issue 8)"
+NOTES = """- Until commit 56f6416 the routed experts were sliced out of the stack too: XLA temp 1,132 MB for w2w4 (now
+  226 MB) — every decode step copied all 256 experts of every layer (9.06 GB for w2w4, 4× what the step needs to
+  read), which would have held the H200 near ~180 tok/s at batch 1 (4.3 TB/s ÷ ~24 GB). The expert kernels now read
+  layer g's experts inside the [G, E, …] stack (an expert offset; no copy), on every implementation.
+- What is still copied: the other stacked weights of each layer group (attention and GDN projections, the shared
+  expert, norms, router, conv) and the cache slots the scan slices. Reading those in place needs the dense qmatmul
+  kernel to take a runtime layer offset (its weight BlockSpec indexes by grid position only) or per-layer storage
+  with an unrolled layer loop; until then the decode bound for a step is effectively (needed + 2 × copied) bytes.
+- The copied-bytes count is parsed from the optimised HLO (dynamic slices of [G, …] operands outside fused
+  computations) and is a compile-time estimate: XLA may schedule the copies asynchronously, but every byte is still
+  read and written once per step.
+"""
+
 _ITEM = {"s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "f8e4m3fn": 1, "pred": 1, "s64": 8}
 _SHAPE = r"([a-z0-9]+)\[([0-9,]*)\]"
 
@@ -113,6 +126,7 @@ def main(argv=None) -> int:
     for recipe, secs, temp, copied, n, need in rows:
         lines.append(f"| {recipe} | {secs:.1f} | {temp / 1e6:.0f} | {copied / 1e6:.0f} | {n} | "
                      f"{need['total'] / 1e6:.0f} | {2 * copied / need['total']:.2f} |")
+    lines += ["", NOTES.rstrip()]
     text = "\n".join(lines) + "\n"
     print(text)
     if not a.no_write:

@@ -9,14 +9,21 @@ from .dispatch import resolve
 from .reference import QuantMeta
 
 
-def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str | None = None) -> jnp.ndarray:
-    """``x [..., K] @ dequant(W)ᵀ`` → ``[..., N]`` in x's dtype, fp32 accumulation (see :mod:`.reference`)."""
+def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str | None = None,
+            group=None) -> jnp.ndarray:
+    """``x [..., K] @ dequant(W)ᵀ`` → ``[..., N]`` in x's dtype, fp32 accumulation (see :mod:`.reference`).
+
+    ``group``: the arrays carry a leading layer-stack axis ``[G, N, ·]`` and this is layer ``group`` (the Pallas
+    kernel reads it in place; the references index it).
+    """
     which = resolve(impl)
     if which in ("reference", "xla"):  # the reference already dequantizes the whole weight, then one dot
+        if group is not None:
+            packed, scale, zero = (None if a is None else a[group] for a in (packed, scale, zero))
         return reference.qmatmul(x, packed, scale, zero, meta)
     from .qmatmul_pallas import qmatmul_pallas
 
-    return qmatmul_pallas(x, packed, scale, zero, meta, interpret=which == "interpret")
+    return qmatmul_pallas(x, packed, scale, zero, meta, interpret=which == "interpret", layer=group)
 
 
 def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | None = None,

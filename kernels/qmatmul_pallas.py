@@ -245,7 +245,15 @@ def _dequant_tile(w_ref, s_ref, z_ref, c, *, meta: QuantMeta, bk: int, group: in
 
 
 def _kernel(*refs, meta: QuantMeta, cfg: KernelConfig, group: int | None, has_zero: bool, nk: int, reduce_rows: bool,
-            interpret: bool):
+            interpret: bool, nb: int | None = None):
+    if nb is not None:  # the weight is a stack of layers: only the programs of the asked layer's row blocks work
+        layer_ref, *refs = refs
+
+        @pl.when(pl.program_id(1) // nb == layer_ref[0])
+        def _():
+            _kernel(*refs, meta=meta, cfg=cfg, group=group, has_zero=has_zero, nk=nk, reduce_rows=reduce_rows,
+                    interpret=interpret)
+        return
     if has_zero:
         x_ref, w_ref, s_ref, z_ref, o_ref = refs
     else:
@@ -281,8 +289,15 @@ def _pad2(a: jax.Array, rows: int, cols: int) -> jax.Array:
     return a if pr == 0 and pc == 0 else jnp.pad(a, ((0, pr), (0, pc)))
 
 
-def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelConfig, interpret: bool) -> jax.Array:
-    """``x [M, K]`` → ``[M, N]`` through one pallas_call (+ the split-K reduction)."""
+def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelConfig, interpret: bool,
+                layer=None) -> jax.Array:
+    """``x [M, K]`` → ``[M, N]`` through one pallas_call (+ the split-K reduction).
+
+    ``layer``: packed / scale / zero are a stack of L layers flattened to ``[L·N, ·]`` (no padding needed: see
+    :func:`_in_stack_ok`) and this is layer ``layer`` (int32 scalar, may be traced). The grid covers every layer's
+    row blocks and the programs of other layers return at once: a block index cannot depend on a runtime value in
+    Pallas-Triton, and slicing the layer out first would copy its weight on every call.
+    """
     m, k = x.shape
     n = meta.out_features
     group = _group(meta, scale.shape[-1])
@@ -299,19 +314,26 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
     mp = _cdiv(m, bm) * bm
     np_ = _cdiv(n, bn) * bn
 
-    # tensor strategy / per-row zero: bring scale and zero to [N, G]
-    if scale.shape[0] != n:
+    # tensor strategy / per-row zero: bring scale and zero to [N, G] (a stack read in place has them per row)
+    if layer is None and scale.shape[0] != n:
         scale = jnp.broadcast_to(scale, (n, scale.shape[-1]))
-    if zero is not None and zero.shape[0] != n:
+    if layer is None and zero is not None and zero.shape[0] != n:
         zero = jnp.broadcast_to(zero, (n, zero.shape[-1]))
     xg = _pad2(x, mp, kp)
-    wg = _pad2(packed, np_, kp // per)
     if group is None:
         gp, gs = 1, 1
     else:
         gp, gs = kp // group, ks // group  # scale columns in all / in one split
-    sg = _pad2(scale, np_, gp)
-    zg = None if zero is None else _pad2(zero, np_, gp)
+    layers = 1
+    if layer is None:
+        wg = _pad2(packed, np_, kp // per)
+        sg = _pad2(scale, np_, gp)
+        zg = None if zero is None else _pad2(zero, np_, gp)
+    else:
+        layers = packed.shape[0] // n
+        assert np_ == n and packed.shape == (layers * n, kp // per) and scale.shape == (layers * n, gp), (
+            packed.shape, scale.shape, cfg)
+        wg, sg, zg = packed, scale, zero
 
     reduce_rows = cfg.path == "gemv" and m == 1
     if reduce_rows:
@@ -321,20 +343,24 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
     if cfg.path == "gemv":
         assert mp == bm, (m, cfg)
     mb, nb = mp // bm, np_ // bn
-    grid = (mb, nb, split)  # program_id(0) fastest: consecutive programs share a weight tile
+    grid = (mb, nb * layers, split)  # program_id(0) fastest: consecutive programs share a weight tile
     x_spec = pl.BlockSpec((bm, ks), lambda i, j, s: (i, s))
     w_spec = pl.BlockSpec((bn, ks // per), lambda i, j, s: (j, s))
     if group is None:
         s_spec = pl.BlockSpec((bn, 1), lambda i, j, s: (j, 0))
     else:
         s_spec = pl.BlockSpec((bn, gs), lambda i, j, s: (j, s))
-    o_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (s * mb + i, j))  # split s writes rows [s·Mp, (s+1)·Mp)
+    o_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (s * mb + i, j % nb))  # split s writes rows [s·Mp, (s+1)·Mp)
     out_shape = jax.ShapeDtypeStruct((split * mp, np_), jnp.float32 if split > 1 else x.dtype)
 
     in_specs = [x_spec, w_spec, s_spec] + ([s_spec] if zg is not None else [])
     args = (xg, wg, sg) + ((zg,) if zg is not None else ())
+    if layer is not None:
+        in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,))] + in_specs
+        args = (jnp.reshape(layer, (1,)).astype(jnp.int32),) + args
     kernel = functools.partial(_kernel, meta=meta, cfg=cfg, group=group, has_zero=zg is not None, nk=nk,
-                               reduce_rows=reduce_rows, interpret=bool(interpret))
+                               reduce_rows=reduce_rows, interpret=bool(interpret),
+                               nb=None if layer is None else nb)
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -350,8 +376,21 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
     return out[:m, :n]
 
 
+def _layer_of(arrays: tuple, layer) -> tuple:
+    return tuple(None if a is None else a[layer] for a in arrays)
+
+
+def _in_stack_ok(meta: QuantMeta, cfg: KernelConfig, scale, zero) -> bool:
+    """Whether a stacked weight can be read in place: no padding of N or K, one scale row per output row."""
+    n, k = meta.out_features, meta.in_features
+    group = _group(meta, scale.shape[-1])
+    k_unit = cfg.bk * cfg.split_k if group is None or group <= cfg.bk else group * cfg.split_k
+    return (n % cfg.bn == 0 and k % k_unit == 0 and scale.shape[-2] == n
+            and (zero is None or zero.shape[-2] == n))
+
+
 @functools.partial(jax.jit, static_argnames=("meta", "interpret", "config"))
-def _forward(x, packed, scale, zero, meta: QuantMeta, interpret: bool, config: KernelConfig | None):
+def _forward(x, packed, scale, zero, layer, meta: QuantMeta, interpret: bool, config: KernelConfig | None):
     k, n = meta.in_features, meta.out_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {k}")
@@ -361,44 +400,57 @@ def _forward(x, packed, scale, zero, meta: QuantMeta, interpret: bool, config: K
     if m == 0:
         return jnp.zeros((*lead, n), x.dtype)
     if not supported(meta, scale.shape[-1]):
+        if layer is not None:
+            packed, scale, zero = _layer_of((packed, scale, zero), layer)
         return reference.qmatmul(x, packed, scale, zero, meta)
     cfg = config or choose_config(m, n, k, meta, x.dtype)
     if cfg.path == "gemv" and m > cfg.bm:
         raise ValueError(f"gemv config with bm={cfg.bm} cannot take M={m}")
+    if layer is not None:
+        if _in_stack_ok(meta, cfg, scale, zero):
+            flat = lambda a: None if a is None else a.reshape(-1, a.shape[-1])  # noqa: E731 (a bitcast)
+            y = _qmatmul_2d(x2, flat(packed), flat(scale), flat(zero), meta, cfg, interpret, layer=layer)
+            return y.reshape(*lead, n)
+        packed, scale, zero = _layer_of((packed, scale, zero), layer)  # padding needed: a copy of this layer
     y = _qmatmul_2d(x2, packed, scale, zero, meta, cfg, interpret)
     return y.reshape(*lead, n)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _qmatmul(x, packed, scale, zero, meta, interpret, config):
-    return _forward(x, packed, scale, zero, meta, interpret, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _qmatmul(x, packed, scale, zero, layer, meta, interpret, config):
+    return _forward(x, packed, scale, zero, layer, meta, interpret, config)
 
 
-def _qmatmul_fwd(x, packed, scale, zero, meta, interpret, config):
-    return _forward(x, packed, scale, zero, meta, interpret, config), (packed, scale, zero)
+def _qmatmul_fwd(x, packed, scale, zero, layer, meta, interpret, config):
+    return _forward(x, packed, scale, zero, layer, meta, interpret, config), (packed, scale, zero, layer)
 
 
 def _qmatmul_bwd(meta, interpret, config, res, g):
-    packed, scale, zero = res
+    packed, scale, zero, layer = res
+    if layer is not None:
+        packed, scale, zero = _layer_of((packed, scale, zero), layer)
     w = reference.dequantize(packed, scale, zero, meta, g.dtype)  # [N, K]
     precision = lax.Precision.HIGHEST if g.dtype == jnp.float32 else None
     dx = lax.dot_general(g, w, (((g.ndim - 1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
-    return dx.astype(g.dtype), None, None, None
+    return dx.astype(g.dtype), None, None, None, None
 
 
 _qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
 
 
 def qmatmul_pallas(x, packed, scale, zero, meta: QuantMeta, *, interpret: bool = False,
-                   config: KernelConfig | None = None) -> jax.Array:
+                   config: KernelConfig | None = None, layer=None) -> jax.Array:
     """``x [..., K] @ dequant(W)ᵀ`` → ``[..., N]`` in ``x.dtype`` (fp32 accumulation); Pallas-Triton kernel.
 
     ``interpret=True`` runs the same kernel in Pallas interpret mode (any backend; call it under ``jax.jit``).
     ``config`` overrides the block sizes / path chosen by :func:`choose_config` (tests, tuning).
+    ``layer``: packed / scale / zero carry a leading layer-stack axis ``[L, N, ·]`` and this is layer ``layer`` (int32
+    scalar, may be traced); it is read in place when no padding is needed, else sliced out.
     Differentiable w.r.t. ``x`` only.
     """
-    return _qmatmul(x, packed, scale, zero, meta, bool(interpret), config)
+    layer = None if layer is None else jnp.asarray(layer, jnp.int32)
+    return _qmatmul(x, packed, scale, zero, layer, meta, bool(interpret), config)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

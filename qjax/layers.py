@@ -34,7 +34,8 @@ class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, dtype, std: float = 0.02, rngs: nnx.Rngs | None = None):
         self.weight = nnx.Param(_normal(rngs, (d_out, d_in), std, dtype))
 
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, group=None) -> jnp.ndarray:
+        """``group`` is for :class:`~qjax.quant.layers.QuantLinear`'s sake: a dense weight is sliced by the scan."""
         return linear(x, self.weight[...])
 
 
@@ -80,8 +81,8 @@ class MLP(nnx.Module):
         self.up_proj = lin("up_proj", hidden, intermediate)
         self.down_proj = lin("down_proj", intermediate, hidden)
 
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jnp.ndarray, group=None) -> jnp.ndarray:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, group)) * self.up_proj(x, group), group)
 
 
 def make_linear(name: str, d_in: int, d_out: int, quant: dict, *, dtype, std: float, rngs: nnx.Rngs | None):

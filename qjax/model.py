@@ -37,8 +37,8 @@ class StepContext:
     key_valid: jnp.ndarray  # [B, S] bool, keys attention may read (after this call's write)
     query_slot: jnp.ndarray  # [T] int32, cache slot of each query (causality: key slot ≤ query slot)
     write_index: jnp.ndarray | None  # [] int32 cache slot of the first new token; None without a cache
-    # [] int32 layer group being run when the routed experts are read inside their [G, E, …] stack (run_layers)
-    expert_group: jnp.ndarray | None = None
+    # [] int32 layer group being run when packed weights are read inside their [G, …] stack (see run_layers)
+    stack_group: jnp.ndarray | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -68,11 +68,12 @@ class GatedAttention(nnx.Module):
         """``x [B, T, H]`` → ``([B, T, H], updated KV slice or None)``."""
         b, t, _ = x.shape
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        p = self.q_proj(x).reshape(b, t, nh, 2 * d)
+        layer = ctx.stack_group  # inside the layer scan: where this layer's packed weights sit in their stacks
+        p = self.q_proj(x, layer).reshape(b, t, nh, 2 * d)
         q, gate = p[..., :d], p[..., d:].reshape(b, t, nh * d)
         q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).reshape(b, t, nkv, d)), ctx.cos, ctx.sin)
-        v = self.v_proj(x).reshape(b, t, nkv, d)
+        k = apply_rope(self.k_norm(self.k_proj(x, layer).reshape(b, t, nkv, d)), ctx.cos, ctx.sin)
+        v = self.v_proj(x, layer).reshape(b, t, nkv, d)
         fp8 = self.k_scale is not None
         if fp8:
             # K (after k_norm + RoPE) and V are what a compressed-tensors / vLLM FP8 cache stores: e4m3(x / s)
@@ -95,7 +96,7 @@ class GatedAttention(nnx.Module):
             keys, values = k, v
         o = attention(q, keys, values, ctx)
         o = o.reshape(b, t, nh * d) * jax.nn.sigmoid(gate)
-        return self.o_proj(o), kv
+        return self.o_proj(o, layer), kv
 
 
 def attention(q, k, v, ctx: StepContext) -> jnp.ndarray:
@@ -163,13 +164,14 @@ class GatedDeltaNet(nnx.Module):
     def __call__(self, x: jnp.ndarray, ctx: StepContext, state: GDNState | None):
         """``x [B, T, H]`` → ``([B, T, H], new GDNState or None)``."""
         b, t, _ = x.shape
+        layer = ctx.stack_group  # inside the layer scan: where this layer's packed weights sit in their stacks
         if ctx.token_mask is not None:
             # pads are zeroed before the projections so they add nothing to the conv window or the state
             x = x * ctx.token_mask[..., None].astype(x.dtype)
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(b, t, self.num_v_heads, self.head_v_dim)
-        beta = jax.nn.sigmoid(self.in_proj_b(x))
-        a = self.in_proj_a(x)
+        mixed = self.in_proj_qkv(x, layer)
+        z = self.in_proj_z(x, layer).reshape(b, t, self.num_v_heads, self.head_v_dim)
+        beta = jax.nn.sigmoid(self.in_proj_b(x, layer))
+        a = self.in_proj_a(x, layer)
         window = (state.conv if state is not None
                   else jnp.zeros((b, self.conv_kernel - 1, mixed.shape[-1]), mixed.dtype))
         mixed, new_window = self.conv1d(mixed, window)
@@ -188,7 +190,7 @@ class GatedDeltaNet(nnx.Module):
         rule = gdn.recurrent_gated_delta_rule if t == 1 else gdn.chunk_gated_delta_rule
         o, s = rule(q, k, v, g, beta, init)
         o = self.norm(o.astype(x.dtype), z)
-        out = self.out_proj(o.reshape(b, t, self.value_dim))
+        out = self.out_proj(o.reshape(b, t, self.value_dim), layer)
         new_state = GDNState(conv=new_window.astype(state.conv.dtype), recurrent=s) if state is not None else None
         return out, new_state
 
@@ -215,7 +217,7 @@ class DecoderLayer(nnx.Module):
             out, state = mixer(self.input_layernorm(h), ctx, state)
         h = h + out
         with jax.named_scope("mlp"):
-            h = h + self.mlp(self.post_attention_layernorm(h), group=ctx.expert_group)
+            h = h + self.mlp(self.post_attention_layernorm(h), group=ctx.stack_group)
         return h, state
 
 
@@ -353,20 +355,20 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
           (h, new slots, per-layer hiddens).
         """
         # Scanning over the stacked variables slices every layer's weights out of the stack on every step, and XLA
-        # materialises the slices (a copy) before a kernel reads them. The routed experts — most of the bytes — stay
-        # whole instead: the expert kernels read layer g's experts inside the [G, E, …] stack (ctx.expert_group).
-        # On a mesh, expert parallelism shards the experts per layer, so they are sliced as before.
+        # materialises a slice (a copy) before a kernel reads it. Packed weights and the routed experts — nearly all
+        # the bytes — stay whole instead: the kernels read layer g inside the [G, …] stack (ctx.stack_group). On a
+        # mesh, tensor and expert parallelism shard the weights per layer, so they are sliced as before.
         stacked = self.mesh_plan is None
         if stacked:
-            graphdef, experts, state = nnx.split(self.groups, nnx.PathContains("experts"), ...)
+            graphdef, whole, state = nnx.split(self.groups, _read_in_stack, ...)
         else:
             graphdef, state = nnx.split(self.groups)
 
         def body(h, xs):
             group_state, group_slots, g = xs
             if stacked:
-                group = nnx.merge(graphdef, experts, group_state)
-                h, new_slots, outs = group(h, ctx.replace(expert_group=g), group_slots, collect)
+                group = nnx.merge(graphdef, whole, group_state)
+                h, new_slots, outs = group(h, ctx.replace(stack_group=g), group_slots, collect)
             else:
                 h, new_slots, outs = nnx.merge(graphdef, group_state)(h, ctx, group_slots, collect)
                 h = self.mesh_plan.batch(h)  # the residual stream: rows over data, whole on every tensor device
@@ -435,6 +437,11 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
                           query_slot=jnp.arange(t - 1, dtype=jnp.int32), write_index=None)
         y = self.mtp(self.embed(input_ids[:, 1:]), hidden[:, :-1], ctx)
         return self.logits_from_hidden(y)
+
+
+def _read_in_stack(path, value) -> bool:
+    """Variables the layer scan passes whole (``[G, …]``) for the kernels to index: packed weights and experts."""
+    return "experts" in path or path[-1] in ("weight_packed", "weight_scale", "weight_zero_point")
 
 
 def qmatmul_f32(h: jnp.ndarray, layer: QuantLinear) -> jnp.ndarray:

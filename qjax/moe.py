@@ -78,5 +78,5 @@ class SparseMoeBlock(nnx.Module):
             else:
                 routed = self.experts(xf, idx, weights) if group is None else self.experts(xf, idx, weights, group)
         with jax.named_scope("shared_expert"):
-            shared = jax.nn.sigmoid(self.shared_expert_gate(xf)) * self.shared_expert(xf)
+            shared = jax.nn.sigmoid(self.shared_expert_gate(xf, group)) * self.shared_expert(xf, group)
         return (routed.astype(x.dtype) + shared).reshape(b, t, h)

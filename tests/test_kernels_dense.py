@@ -356,3 +356,32 @@ def test_lowering_h200(variant):
 def test_zz_report_errors():
     """Runs last (file order): prints the largest measured errors (``pytest -s``)."""
     print("\nmeasured errors:", {k: f"{v:.2e}" for k, v in sorted(ERRORS.items())})
+
+
+@pytest.mark.parametrize("fmt, bits, group, k, n, symmetric, m", [
+    ("int", 4, 128, 512, 256, False, 1),   # read in place (no padding), GEMV path, zero points
+    ("int", 2, 64, 512, 256, True, 9),     # read in place, split across rows
+    ("mxfp8", 8, 32, 256, 128, True, 37),  # GEMM path
+    ("int", 4, 128, 384, 200, True, 3),    # N needs padding: the layer is sliced out instead
+])
+def test_layer_in_stack(fmt, bits, group, k, n, symmetric, m):
+    """``layer=g`` on a ``[L, N, ·]`` stack (how the model's layer scan passes packed weights, so they are not copied
+    out) equals the kernel on layer g alone, for the in-place grid and the padding fallback; the references too."""
+    from qjax.kernels import qmatmul as entry
+
+    rng = np.random.default_rng(7)
+    meta = make_meta(fmt, bits, group, k=k, n=n, symmetric=symmetric)
+    layers = [make_weight(meta, rng) for _ in range(3)]
+    stack = tuple(None if a[0] is None else jnp.stack(a) for a in zip(*layers))
+    x = make_x(rng, (m, k))
+    from qjax.kernels.qmatmul_pallas import _in_stack_ok
+
+    assert _in_stack_ok(meta, choose_config(m, n, k, meta, x.dtype), stack[1], stack[2]) == (n % 8 == 0 and k != 384)
+    for g in (0, 2):
+        want = kernel(x, *layers[g], meta)
+        got = run_jit(lambda x, p, s, z, g_: qmatmul_pallas(x, p, s, z, meta, interpret=True, layer=g_),
+                      x, *stack, jnp.int32(g))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        ref = run_jit(lambda x, p, s, z, g_: entry(x, p, s, z, meta, impl="reference", group=g_), x, *stack,
+                      jnp.int32(g))
+        np.testing.assert_array_equal(np.asarray(ref), np.asarray(ref_qmatmul(x, *layers[g], meta)))

@@ -56,12 +56,13 @@ class QuantLinear(PackedWeight):
         self.mesh_plan = None
         self.tp_split = None
 
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, group=None) -> jnp.ndarray:
+        """``group``: the arrays carry a leading layer-stack axis ``[G, N, ·]`` and this is layer ``group``."""
         if self.tp_split is not None:
             from qjax.sharding import tensor_parallel_qmatmul
 
             return tensor_parallel_qmatmul(x, self.arrays(), self.meta, self.tp_split, self.mesh_plan)
-        return qmatmul(x, *self.arrays(), self.meta)
+        return qmatmul(x, *self.arrays(), self.meta, group=group)
 
 
 class QuantExperts(nnx.Module):
