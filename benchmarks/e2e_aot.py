@@ -28,16 +28,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_speed import RESULTS, git_state, write_section  # noqa: E402
 
 SECTION = "## Decode step compiled for H200 without a GPU: weight copies (issue 8)"
-NOTES = """- Until commit 56f6416 the routed experts were sliced out of the stack too: XLA temp 1,132 MB for w2w4 (now
-  226 MB) — every decode step copied all 256 experts of every layer (9.06 GB for w2w4, 4× what the step needs to
-  read), which would have held the H200 near ~180 tok/s at batch 1 (4.3 TB/s ÷ ~24 GB). The expert kernels now read
-  layer g's experts inside the [G, E, …] stack (an expert offset; no copy), on every implementation.
-- What is still copied: the other stacked weights of each layer group (attention and GDN projections, the shared
-  expert, norms, router, conv) and the cache slots the scan slices. Reading those in place needs the dense qmatmul
-  kernel to take a runtime layer offset (its weight BlockSpec indexes by grid position only) or per-layer storage
-  with an unrolled layer loop; until then the decode bound for a step is effectively (needed + 2 × copied) bytes.
+NOTES = """- History of this table's w2w4 row: at commit de5439f (before this work) the scan sliced every stacked
+  variable, the routed experts included: XLA temp 1,132 MB and every decode step copied all 256 experts of every
+  layer — about 10.9 GB read and written per step, 10× what the step needs, which would have held an H200 below
+  ~200 tok/s at batch 1. Commit 56f6416 let the expert kernels read layer g's experts inside the [G, E, …] stack
+  (an expert offset; 915 MB still copied), commit fa1c639 did the same for every packed dense weight (the qmatmul
+  grid covers all layers' row blocks; other layers' programs return at once): 189 MB.
+- What is still copied: the cache slots the scan slices (GDN state, conv windows, K/V: ~76 MB at batch 1), and the
+  unquantized stacked weights (router 42 MB, norms, conv1d, gates) — and in mxfp8-experts and bf16 every BF16
+  attention / GDN / shared-expert projection, which XLA's dots take as sliced copies (1.3 GB per step). Reading
+  those in place needs a dense BF16 kernel with the same layer offset, or per-layer storage with an unrolled layer
+  loop.
 - The copied-bytes count is parsed from the optimised HLO (dynamic slices of [G, …] operands outside fused
-  computations) and is a compile-time estimate: XLA may schedule the copies asynchronously, but every byte is still
+  computations) and is a compile-time estimate: XLA may overlap the copies with compute, but every byte is still
   read and written once per step.
 """
 
