@@ -16,10 +16,10 @@ class _CaptureLinear(nnx.Module):
     def __init__(self, inner):
         self.inner = inner
 
-    def __call__(self, x):
+    def __call__(self, x, group=None):
         x2 = jnp.square(x.astype(jnp.float32)).reshape(-1, x.shape[-1])
         self.sow(nnx.Intermediate, "sq", jnp.sum(x2, axis=0))
-        return self.inner(x)
+        return self.inner(x, group)
 
 
 class _CaptureExperts(nnx.Module):
