@@ -92,6 +92,7 @@ def main(argv=None) -> int:
 
     from qjax import bench
     from qjax.kernels import aot_h200
+    from qjax.random_model import abstract_recipe_model
 
     cfg = bench.load_config()
     groups = cfg.num_hidden_layers // 4
@@ -99,7 +100,8 @@ def main(argv=None) -> int:
     rep = target.replicated
     rows = []
     for recipe in a.recipes.split(","):
-        fn, specs = bench.decode_program(cfg, recipe, batch=a.batch)
+        model = abstract_recipe_model(cfg, recipe)
+        fn, specs = bench.decode_program(model, batch=a.batch)
         specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep)
                              if hasattr(s, "shape") and hasattr(s, "dtype") else s, specs)
         t0 = time.perf_counter()
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
         secs = time.perf_counter() - t0
         hlo = compiled.as_text()
         per_iter, n = sliced_bytes(hlo, groups)
-        model_bytes = bench.decode_bytes(bench_model(cfg, recipe), a.batch, 512 + 32)
+        model_bytes = bench.decode_bytes(model, a.batch, 512 + 32)
         temp = compiled.memory_analysis().temp_size_in_bytes
         rows.append((recipe, secs, temp, per_iter * groups, n, model_bytes))
         print(f"{recipe}: compiled in {secs:.1f} s, temp {temp / 1e6:.0f} MB, sliced per step "
@@ -135,12 +137,6 @@ def main(argv=None) -> int:
     if not a.no_write:
         write_section(text, RESULTS, SECTION)
     return 0
-
-
-def bench_model(cfg, recipe):
-    from qjax.random_model import abstract_recipe_model
-
-    return abstract_recipe_model(cfg, recipe)
 
 
 if __name__ == "__main__":

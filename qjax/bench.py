@@ -294,7 +294,7 @@ def _copy_tree(tree):
 def run_bench(model, settings: Settings = Settings(), *, log: Callable[[str], None] = lambda s: None) -> dict:
     """Time ``model`` (any :class:`~qjax.model.Qwen3_5MoeForCausalLM`); returns a JSON-able dict of rows plus
     ``tokens`` (``{batch: [B, new_tokens + 1] int32}``, the greedy tokens of the default path, not serialised)."""
-    from .generate import _decode_loop, _prefill
+    from .generate import _prefill
 
     cfg = model.config
     graphdef, state = nnx.split(model)
@@ -333,22 +333,28 @@ def run_bench(model, settings: Settings = Settings(), *, log: Callable[[str], No
     n = settings.new_tokens
     for b in settings.decode_batches:
         log(f"decode batch {b}, {n} steps after {settings.context} tokens")
-        logits, cache = _warm_cache(model, settings, b)
+        warm = _warm_cache(model, settings, b)
 
-        def decode(impl):
-            # n + 1 tokens: the first comes from the prefill's logits, then n forward steps; every call starts from
-            # a copy of the same warm cache (the loop donates it)
-            return (lambda: (logits, _copy_tree(cache), jax.random.key(0)),
-                    lambda a: _decode_loop(graphdef, state, a[1], a[0], a[2], _greedy(), n + 1, impl=impl)[0])
-        res = time_interleaved({name: decode(impl) for name, impl in impls.items()}, settings.repeats)
+        def decode(impl, logits, cache):
+            # every call starts from a copy of the same warm cache (the loop donates it)
+            return (lambda: (logits, _copy_tree(cache)),
+                    lambda a: _decode(graphdef, state, *a, n, impl))
+        res = time_interleaved({name: decode(impl, *warm) for name, impl in impls.items()}, settings.repeats)
         tokens[b] = np.asarray(res["qjax"]["out"])
         row = _row("decode", b, settings.context, b * n, res)
         if "baseline" in res:
             row["baseline_token_match"] = float(np.mean(np.asarray(res["baseline"]["out"]) == tokens[b]))
         row["bytes_per_step"] = decode_bytes(model, b, settings.context + n // 2)
         rows.append(row)
-        del cache
     return {"rows": rows, "tokens": tokens}
+
+
+def _decode(graphdef, state, logits, cache, n: int, impl: str | None = None):
+    """qjax.generate's greedy decode loop from a warm cache: n + 1 tokens (the first from the prefill's logits, then n
+    forward steps) → ``[B, n + 1]``."""
+    from .generate import _decode_loop
+
+    return _decode_loop(graphdef, state, cache, logits, jax.random.key(0), _greedy(), n + 1, impl=impl)[0]
 
 
 WARM_ROWS = 8  # decode prompts are prefilled 8 rows at a time: one prefill program serves every decode batch
@@ -502,15 +508,13 @@ def profile_decode(model, settings: Settings, *, top: int = 12) -> dict:
     ``jax.profiler.ProfileData``, no TensorBoard needed): ops by total time per step, time per model scope (from
     the named scopes layers set; GPU traces carry them) and the device-busy share of the wall time — the rest is
     launch and host overhead."""
-    from .generate import _decode_loop
-
     graphdef, state = nnx.split(model)
     steps = settings.new_tokens
 
     def once():
-        logits, cache = _warm_cache(model, settings, 1)
+        warm = _warm_cache(model, settings, 1)
         t0 = time.perf_counter()
-        _block(_decode_loop(graphdef, state, cache, logits, jax.random.key(0), _greedy(), steps + 1))
+        _block(_decode(graphdef, state, *warm, steps))
         return time.perf_counter() - t0
 
     once()  # compiled already when batch 1 was timed; otherwise compile outside the trace
@@ -624,14 +628,13 @@ def to_json(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 # deviceless H200 compile of the full-size programs (qjax.kernels.aot_h200 and benchmarks/e2e_aot.py)
 # ---------------------------------------------------------------------------------------------------------------------
-def decode_program(cfg: TextConfig, recipe: str, batch: int = 1, context: int = 512, new_tokens: int = 64, *,
-                   dtype=jnp.bfloat16):
-    """``(fn, arg_specs)``: the decode ``while_loop`` of ``qjax.generate`` for the model ``recipe`` makes of ``cfg``,
-    as a function of abstract (shape-only) state, cache, logits and key — for compiling without weights or device."""
+def decode_program(model, batch: int = 1, context: int = 512, new_tokens: int = 64):
+    """``(fn, arg_specs)``: the decode ``while_loop`` of ``qjax.generate`` for ``model`` (an abstract one, e.g.
+    :func:`qjax.random_model.abstract_recipe_model`), as a function of abstract state, cache, logits and key — for
+    compiling without weights or device."""
     from .generate import _decode_loop
-    from .random_model import abstract_recipe_model
 
-    model = abstract_recipe_model(cfg, recipe, dtype=dtype)
+    cfg = model.config
     graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: model.init_cache(batch, context + new_tokens + 1))
     logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32)
@@ -646,5 +649,7 @@ def decode_program(cfg: TextConfig, recipe: str, batch: int = 1, context: int = 
 def lowering_cases():
     """The full-size Qwen3.6-35B-A3B decode loop (w2w4, batch 1), for ``qjax.kernels.aot_h200``: every Pallas kernel
     at its real shapes inside the real program."""
-    fn, specs = decode_program(load_config(), "w2w4")
+    from .random_model import abstract_recipe_model
+
+    fn, specs = decode_program(abstract_recipe_model(load_config(), "w2w4"))
     return [("e2e_decode_w2w4_b1", fn, specs)]
