@@ -28,20 +28,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_speed import RESULTS, git_state, write_section  # noqa: E402
 
 SECTION = "## Decode step compiled for H200 without a GPU: weight copies (issue 8)"
-NOTES = """- History of this table's w2w4 row: at commit de5439f (before this work) the scan sliced every stacked
-  variable, the routed experts included: XLA temp 1,132 MB and every decode step copied all 256 experts of every
-  layer — about 10.9 GB read and written per step, 10× what the step needs, which would have held an H200 below
-  ~200 tok/s at batch 1. Commit 56f6416 let the expert kernels read layer g's experts inside the [G, E, …] stack
-  (an expert offset; 915 MB still copied), commit fa1c639 did the same for every packed dense weight (the qmatmul
-  grid covers all layers' row blocks; other layers' programs return at once): 189 MB.
-- What is still copied: the cache slots the scan slices (GDN state, conv windows, K/V: ~76 MB at batch 1), and the
-  unquantized stacked weights (router 42 MB, norms, conv1d, gates) — and in mxfp8-experts and bf16 every BF16
-  attention / GDN / shared-expert projection, which XLA's dots take as sliced copies (1.3 GB per step). Reading
-  those in place needs a dense BF16 kernel with the same layer offset, or per-layer storage with an unrolled layer
-  loop.
-- The copied-bytes count is parsed from the optimised HLO (dynamic slices of [G, …] operands outside fused
-  computations) and is a compile-time estimate: XLA may overlap the copies with compute, but every byte is still
-  read and written once per step.
+NOTES = """- History of this table: at commit de5439f the scan sliced every stacked variable, the routed experts
+  included: XLA temp 1,132 MB and every decode step copied all 256 experts of every layer — about 10.9 GB read
+  and written per step, 10× what the step needs, which would have held an H200 below ~200 tok/s at batch 1.
+  Commit 56f6416 let the expert kernels read layer g's experts inside the [G, E, …] stack (an expert offset),
+  commit fa1c639 did the same for every packed dense weight (the qmatmul grid covers all layers' row blocks; other
+  layers' programs return at once). That left the BF16 projections of mxfp8-experts and bf16: XLA's dots took
+  the four 8192×2048 ones per layer group (in_proj_qkv, q_proj) as sliced copies, 1,342 MB per step; the dense
+  Pallas kernel (`qjax.kernels.matmul`, the same layer offset, used up to 128 rows) now reads them in place.
+- Counter fix (this commit): the earlier version of this table also counted dynamic slices inside fused
+  computations — the GDN states, sliced inside the fusions that read them (read in place, not copied) — and so
+  reported 189 MB per step for w2w4 / w8a16 where nothing large is copied. What is left (a few KB per step) is
+  small vectors.
+- At batch 64 (`--batch 64`, mxfp8-experts) nothing large is copied either; XLA temp is 9.1 GB there, the new
+  GDN-state and KV stacks the scan writes (64 × 63 MB of state).
+- The copied-bytes count is parsed from the optimised HLO (dynamic slices of [G, …] operands in the computations
+  that launch kernels, not inside fused computations) and is a compile-time estimate: XLA may overlap the copies
+  with compute, but every byte is still read and written once per step.
 """
 
 _ITEM = {"s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "f8e4m3fn": 1, "pred": 1, "s64": 8}
@@ -62,8 +65,18 @@ def sliced_bytes(hlo: str, groups: int) -> tuple[int, int]:
     fusions / ops of the computations themselves (not inside fused computations) whose result has a leading 1 and
     whose first operand is ``[G, …]``.
     """
+    # computations a fusion calls: their instructions run inside that fusion's kernel (a dynamic slice there is
+    # read in place, not copied); only the computations that schedule kernels are scanned
+    fused = set(re.findall(r" fusion\([^\n]*?calls=(%[\w.\-]+)", hlo))
     total = count = 0
+    inside_fused = False
     for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY )?(%[\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            inside_fused = head.group(1) in fused
+            continue
+        if inside_fused:
+            continue
         m = re.search(r"= \(\(" + _SHAPE + r"\{[^}]*\}, s32\[\]\), " + _SHAPE + r"\{[^}]*\}, u32\[\]\) fusion-start", line)
         if m and m.group(2).split(",")[0] == str(groups) and m.group(4).split(",")[0] == "1":
             total += _bytes(m.group(3), m.group(4))

@@ -8,6 +8,28 @@ from . import moe_reference, reference
 from .dispatch import resolve
 from .reference import QuantMeta
 
+# Rows up to which a dense layer inside a [G, N, K] stack is read in place by the Pallas kernel: below ~200 rows a
+# BF16 matmul on an H200 is bound by the weight read (989 TFLOP/s ÷ 4.8 TB/s ≈ 206 FLOP/B, a row is 1 FLOP/B), so
+# XLA's sliced copy would cost more than the matmul; above, cuBLAS wins and one copy is spread over many rows.
+DENSE_IN_STACK_MAX_ROWS = 128
+
+
+def matmul(x: jnp.ndarray, w: jnp.ndarray, *, impl: str | None = None, group=None) -> jnp.ndarray:
+    """``x [..., K] @ wᵀ`` → ``[..., N]`` in x's dtype (fp32 accumulation) for an unquantized weight ``w [N, K]``.
+
+    ``group``: ``w`` is a ``[G, N, K]`` layer stack and this is layer ``group``. With the Pallas kernels and at most
+    :data:`DENSE_IN_STACK_MAX_ROWS` rows the layer is read inside the stack; otherwise it is sliced out for XLA's dot.
+    """
+    which = resolve(impl)
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    if group is not None and which in ("pallas", "interpret") and 0 < rows <= DENSE_IN_STACK_MAX_ROWS:
+        from .qmatmul_pallas import matmul_pallas
+
+        return matmul_pallas(x, w, interpret=which == "interpret", layer=group)
+    return reference.matmul(x, w if group is None else w[group])
+
 
 def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str | None = None,
             group=None) -> jnp.ndarray:

@@ -5,7 +5,10 @@ Same contract as :func:`kernels.reference.qmatmul` (the oracle), see that module
 - ``fmt == "int"``: ``packed`` int32 ``[N, ceil(K·b/32)]`` (b ∈ {2, 4, 8}, LSB first, +2^(b−1) offset), ``scale``
   ``[N, G]`` (groups of a power-of-two size, or ``G == 1`` for channel, or ``[1, 1]`` for tensor), optional
   ``zero`` int8 ``[N, G]``;
-- ``fmt == "mxfp8"``: ``packed`` float8_e4m3fn ``[N, K]``, ``scale`` uint8 E8M0 ``[N, K/32]``.
+- ``fmt == "mxfp8"``: ``packed`` float8_e4m3fn ``[N, K]``, ``scale`` uint8 E8M0 ``[N, K/32]``;
+- ``fmt == "dense"`` (:func:`matmul_pallas`): an unquantized float weight ``[N, K]``, no scale. It exists for one
+  reason: XLA's dot takes a layer sliced out of a ``[G, N, K]`` stack as a copy, while this kernel reads it in
+  place (``layer=``), so the model's layer scan does not copy its BF16 projections on every decode step.
 
 Each weight element is dequantized in fp32 registers right before the MMA — ``(q − zp)·scale`` (MXFP8:
 ``w·2^(s−127)``) — rounded once to ``meta.scale_dtype`` (bf16 for MXFP8), cast to ``x.dtype``; products accumulate
@@ -54,7 +57,8 @@ from jax.experimental.pallas import triton as plgpu
 from . import reference
 from .reference import QuantMeta
 
-__all__ = ["KernelConfig", "choose_config", "lowering_cases", "qmatmul_pallas", "supported"]
+__all__ = ["KernelConfig", "choose_config", "dense_meta", "lowering_cases", "matmul_pallas", "qmatmul_pallas",
+           "supported"]
 
 # jax 0.10.2 … 0.12 export ``CompilerParams``; older releases called it ``TritonCompilerParams``.
 _CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
@@ -94,8 +98,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _group(meta: QuantMeta, num_scale_cols: int) -> int | None:
-    """Columns per scale inside the kernel: ``None`` = one scale per row (channel / tensor / one group)."""
+def dense_meta(n: int, k: int, dtype) -> QuantMeta:
+    """The static description :func:`matmul_pallas` gives an unquantized ``[N, K]`` weight of ``dtype``."""
+    return QuantMeta("dense", 8 * jnp.dtype(dtype).itemsize, k, k, n, strategy="channel",
+                     scale_dtype=jnp.dtype(dtype).name)
+
+
+def _group(meta: QuantMeta, num_scale_cols: int | None) -> int | None:
+    """Columns per scale inside the kernel: ``None`` = one scale per row (channel / tensor / one group) or none."""
+    if meta.fmt == "dense":
+        return None
     if meta.fmt == "mxfp8":
         return 32
     if num_scale_cols == 1:
@@ -105,7 +117,7 @@ def _group(meta: QuantMeta, num_scale_cols: int) -> int | None:
 
 def supported(meta: QuantMeta, num_scale_cols: int | None = None) -> bool:
     """Whether the Pallas kernel handles this format (else :func:`qmatmul_pallas` falls back to the reference)."""
-    if meta.fmt == "mxfp8":
+    if meta.fmt in ("mxfp8", "dense"):
         return True
     if meta.fmt != "int" or meta.bits not in (2, 4, 8):
         return False
@@ -114,7 +126,7 @@ def supported(meta: QuantMeta, num_scale_cols: int | None = None) -> bool:
 
 
 def _weight_bits(meta: QuantMeta) -> int:
-    return 8 if meta.fmt == "mxfp8" else meta.bits
+    return 8 if meta.fmt == "mxfp8" else meta.bits  # dense: the float's width
 
 
 def _smem_estimate(cfg: KernelConfig, meta: QuantMeta, x_bytes: int) -> int:
@@ -204,6 +216,8 @@ def _dequant_tile(w_ref, s_ref, z_ref, c, *, meta: QuantMeta, bk: int, group: in
                   interpret: bool) -> jax.Array:
     """K chunk ``c`` of this program's rows → dequantized ``[bn, bk]`` tile in ``out_dtype``."""
     bn = w_ref.shape[0]
+    if meta.fmt == "dense":
+        return w_ref[:, pl.ds(pl.multiple_of(c * bk, bk), bk)].astype(out_dtype)
     scale_dtype = jnp.bfloat16 if meta.fmt == "mxfp8" else jnp.dtype(meta.scale_dtype)
     rnd = functools.partial(_round, scale_dtype=scale_dtype, out_dtype=out_dtype, interpret=interpret)
     if meta.fmt == "mxfp8":
@@ -246,6 +260,7 @@ def _dequant_tile(w_ref, s_ref, z_ref, c, *, meta: QuantMeta, bk: int, group: in
 
 def _kernel(*refs, meta: QuantMeta, cfg: KernelConfig, group: int | None, has_zero: bool, nk: int, reduce_rows: bool,
             interpret: bool, nb: int | None = None):
+    """Refs: ``[layer,] x, w[, scale[, zero]], out`` (a dense weight has no scale)."""
     if nb is not None:  # the weight is a stack of layers: only the programs of the asked layer's row blocks work
         layer_ref, *refs = refs
 
@@ -254,7 +269,9 @@ def _kernel(*refs, meta: QuantMeta, cfg: KernelConfig, group: int | None, has_ze
             _kernel(*refs, meta=meta, cfg=cfg, group=group, has_zero=has_zero, nk=nk, reduce_rows=reduce_rows,
                     interpret=interpret)
         return
-    if has_zero:
+    if meta.fmt == "dense":
+        (x_ref, w_ref, o_ref), s_ref, z_ref = refs, None, None
+    elif has_zero:
         x_ref, w_ref, s_ref, z_ref, o_ref = refs
     else:
         (x_ref, w_ref, s_ref, o_ref), z_ref = refs, None
@@ -300,8 +317,9 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
     """
     m, k = x.shape
     n = meta.out_features
-    group = _group(meta, scale.shape[-1])
-    per = 1 if meta.fmt == "mxfp8" else 32 // meta.bits
+    dense = meta.fmt == "dense"
+    group = _group(meta, None if dense else scale.shape[-1])
+    per = 1 if meta.fmt in ("mxfp8", "dense") else 32 // meta.bits
     bm, bn, bk, split = cfg.bm, cfg.bn, cfg.bk, cfg.split_k
     assert _is_pow2(bm) and _is_pow2(bn) and _is_pow2(bk) and _is_pow2(split), cfg
     assert bk % per == 0 and (meta.fmt != "mxfp8" or bk % 32 == 0), (cfg, meta)
@@ -315,7 +333,7 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
     np_ = _cdiv(n, bn) * bn
 
     # tensor strategy / per-row zero: bring scale and zero to [N, G] (a stack read in place has them per row)
-    if layer is None and scale.shape[0] != n:
+    if layer is None and not dense and scale.shape[0] != n:
         scale = jnp.broadcast_to(scale, (n, scale.shape[-1]))
     if layer is None and zero is not None and zero.shape[0] != n:
         zero = jnp.broadcast_to(zero, (n, zero.shape[-1]))
@@ -327,12 +345,12 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
     layers = 1
     if layer is None:
         wg = _pad2(packed, np_, kp // per)
-        sg = _pad2(scale, np_, gp)
+        sg = None if dense else _pad2(scale, np_, gp)
         zg = None if zero is None else _pad2(zero, np_, gp)
     else:
         layers = packed.shape[0] // n
-        assert np_ == n and packed.shape == (layers * n, kp // per) and scale.shape == (layers * n, gp), (
-            packed.shape, scale.shape, cfg)
+        assert np_ == n and packed.shape == (layers * n, kp // per), (packed.shape, cfg)
+        assert dense or scale.shape == (layers * n, gp), (scale.shape, cfg)
         wg, sg, zg = packed, scale, zero
 
     reduce_rows = cfg.path == "gemv" and m == 1
@@ -353,8 +371,8 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
     o_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (s * mb + i, j % nb))  # split s writes rows [s·Mp, (s+1)·Mp)
     out_shape = jax.ShapeDtypeStruct((split * mp, np_), jnp.float32 if split > 1 else x.dtype)
 
-    in_specs = [x_spec, w_spec, s_spec] + ([s_spec] if zg is not None else [])
-    args = (xg, wg, sg) + ((zg,) if zg is not None else ())
+    in_specs = [x_spec, w_spec] + ([s_spec] if sg is not None else []) + ([s_spec] if zg is not None else [])
+    args = (xg, wg) + ((sg,) if sg is not None else ()) + ((zg,) if zg is not None else ())
     if layer is not None:
         in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,))] + in_specs
         args = (jnp.reshape(layer, (1,)).astype(jnp.int32),) + args
@@ -369,7 +387,7 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
         out_specs=o_spec,
         compiler_params=_CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"qmatmul_{cfg.path}_{meta.fmt}{'' if meta.fmt == 'mxfp8' else meta.bits}",
+        name=f"qmatmul_{cfg.path}_{meta.fmt}{'' if meta.fmt == 'mxfp8' else meta.bits}",  # dense16: bf16
     )(*args)
     if split > 1:  # second pass: reduce the fp32 partials of the K splits
         out = out.reshape(split, mp, np_).sum(axis=0).astype(x.dtype)
@@ -383,9 +401,9 @@ def _layer_of(arrays: tuple, layer) -> tuple:
 def _in_stack_ok(meta: QuantMeta, cfg: KernelConfig, scale, zero) -> bool:
     """Whether a stacked weight can be read in place: no padding of N or K, one scale row per output row."""
     n, k = meta.out_features, meta.in_features
-    group = _group(meta, scale.shape[-1])
+    group = _group(meta, None if scale is None else scale.shape[-1])
     k_unit = cfg.bk * cfg.split_k if group is None or group <= cfg.bk else group * cfg.split_k
-    return (n % cfg.bn == 0 and k % k_unit == 0 and scale.shape[-2] == n
+    return (n % cfg.bn == 0 and k % k_unit == 0 and (scale is None or scale.shape[-2] == n)
             and (zero is None or zero.shape[-2] == n))
 
 
@@ -399,7 +417,7 @@ def _forward(x, packed, scale, zero, layer, meta: QuantMeta, interpret: bool, co
     m = x2.shape[0]
     if m == 0:
         return jnp.zeros((*lead, n), x.dtype)
-    if not supported(meta, scale.shape[-1]):
+    if meta.fmt != "dense" and not supported(meta, scale.shape[-1]):
         if layer is not None:
             packed, scale, zero = _layer_of((packed, scale, zero), layer)
         return reference.qmatmul(x, packed, scale, zero, meta)
@@ -429,7 +447,7 @@ def _qmatmul_bwd(meta, interpret, config, res, g):
     packed, scale, zero, layer = res
     if layer is not None:
         packed, scale, zero = _layer_of((packed, scale, zero), layer)
-    w = reference.dequantize(packed, scale, zero, meta, g.dtype)  # [N, K]
+    w = packed.astype(g.dtype) if meta.fmt == "dense" else reference.dequantize(packed, scale, zero, meta, g.dtype)
     precision = lax.Precision.HIGHEST if g.dtype == jnp.float32 else None
     dx = lax.dot_general(g, w, (((g.ndim - 1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
@@ -451,6 +469,17 @@ def qmatmul_pallas(x, packed, scale, zero, meta: QuantMeta, *, interpret: bool =
     """
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
     return _qmatmul(x, packed, scale, zero, layer, meta, bool(interpret), config)
+
+
+def matmul_pallas(x, w, *, interpret: bool = False, config: KernelConfig | None = None, layer=None) -> jax.Array:
+    """``x [..., K] @ wᵀ`` → ``[..., N]`` in ``x.dtype`` (fp32 accumulation) for an unquantized weight ``w [N, K]``.
+
+    Only worth it with ``layer``: ``w`` is a ``[L, N, K]`` stack and this reads layer ``layer`` in place, where an
+    XLA dot would take a sliced copy. Same paths, blocks and contract as :func:`qmatmul_pallas`; the weight tile is
+    cast to ``x.dtype`` in registers. Differentiable w.r.t. ``x`` only.
+    """
+    meta = dense_meta(w.shape[-2], w.shape[-1], w.dtype)
+    return qmatmul_pallas(x, w, None, None, meta, interpret=interpret, config=config, layer=layer)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -495,6 +524,18 @@ def _case(name: str, spec: dict, m: int, n: int, k: int, x_dtype=jnp.bfloat16):
     return f"{name}_m{m}_n{n}_k{k}", fn, args
 
 
+def _dense_stack_case(m: int, n: int, k: int, layers: int = 10):
+    """A BF16 projection read inside its ``[G=10, N, K]`` layer stack (the real model's scan length)."""
+    sds = jax.ShapeDtypeStruct
+
+    def fn(x, w, layer):
+        return matmul_pallas(x, w, interpret=False, layer=layer)
+
+    return (f"dense_bf16_stack_m{m}_n{n}_k{k}", fn,
+            (sds((m, k), jnp.bfloat16), sds((layers, n, k), jnp.bfloat16), sds((), jnp.int32)))
+
+
 def lowering_cases() -> list[tuple[str, Callable, tuple[jax.ShapeDtypeStruct, ...]]]:
     """(name, fn, arg_specs) per kernel variant × path × real layer shape; ``fn(*arrays)`` runs the GPU kernel."""
-    return [_case(name, spec, m, n, k) for name, spec in _VARIANTS for m in LOWERING_M for n, k in LAYER_SHAPES]
+    return ([_case(name, spec, m, n, k) for name, spec in _VARIANTS for m in LOWERING_M for n, k in LAYER_SHAPES]
+            + [_dense_stack_case(m, n, k) for m in LOWERING_M for n, k in LAYER_SHAPES])

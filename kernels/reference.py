@@ -48,6 +48,15 @@ class QuantMeta:
         return (1, 1) if self.strategy == "tensor" else (self.out_features, self.num_groups)
 
 
+def matmul(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+    """``x [..., K] @ wᵀ`` for an unquantized ``w [N, K]`` → ``[..., N]`` in x's dtype (fp32 accumulation; float32
+    inputs at HIGHEST precision, so no TF32 / bf16 passes)."""
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                            precision=precision, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
 def unpack_int(packed: jnp.ndarray, bits: int, cols: int) -> jnp.ndarray:
     """``int32 [..., W]`` → signed ``int32 [..., cols]`` (b ∈ {2, 4, 8}: no field straddles a word)."""
     per = 32 // bits

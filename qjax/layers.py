@@ -11,15 +11,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .kernels import matmul
+from .kernels.reference import matmul as reference_matmul
 from .quant.layers import QuantLinear
 
 
 def linear(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     """``x @ wᵀ`` with ``x [..., in]``, ``w [out, in]`` → ``[..., out]`` in x's dtype (fp32 accumulation)."""
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
-                            precision=precision, preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return reference_matmul(x, w)
 
 
 def _normal(rngs: nnx.Rngs | None, shape, std: float, dtype) -> jnp.ndarray:
@@ -35,8 +34,10 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(_normal(rngs, (d_out, d_in), std, dtype))
 
     def __call__(self, x: jnp.ndarray, group=None) -> jnp.ndarray:
-        """``group`` is for :class:`~qjax.quant.layers.QuantLinear`'s sake: a dense weight is sliced by the scan."""
-        return linear(x, self.weight[...])
+        """``group``: the weight is the layer scan's ``[G, out, in]`` stack and this is layer ``group``."""
+        if group is None:
+            return linear(x, self.weight[...])
+        return matmul(x, self.weight[...], group=group)
 
 
 class RMSNorm(nnx.Module):

@@ -355,12 +355,14 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
           (h, new slots, per-layer hiddens).
         """
         # Scanning over the stacked variables slices every layer's weights out of the stack on every step, and XLA
-        # materialises a slice (a copy) before a kernel reads it. Packed weights and the routed experts — nearly all
-        # the bytes — stay whole instead: the kernels read layer g inside the [G, …] stack (ctx.stack_group). On a
+        # materialises a slice (a copy) before a kernel reads it. Packed weights, the routed experts and the dense
+        # projections — nearly all the bytes — stay whole instead: the kernels read layer g inside the [G, …] stack
+        # (ctx.stack_group; a dense projection at prefill size is sliced for XLA's dot, see kernels.matmul). On a
         # mesh, tensor and expert parallelism shard the weights per layer, so they are sliced as before.
         stacked = self.mesh_plan is None
         if stacked:
-            graphdef, whole, state = nnx.split(self.groups, _read_in_stack, ...)
+            dense = frozenset(path for path, node in nnx.iter_graph(self.groups) if isinstance(node, Linear))
+            graphdef, whole, state = nnx.split(self.groups, functools.partial(_read_in_stack, dense), ...)
         else:
             graphdef, state = nnx.split(self.groups)
 
@@ -439,9 +441,11 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         return self.logits_from_hidden(y)
 
 
-def _read_in_stack(path, value) -> bool:
-    """Variables the layer scan passes whole (``[G, …]``) for the kernels to index: packed weights and experts."""
-    return "experts" in path or path[-1] in ("weight_packed", "weight_scale", "weight_zero_point")
+def _read_in_stack(dense: frozenset, path, value) -> bool:
+    """Variables the layer scan passes whole (``[G, …]``) for the kernels to index: packed weights, experts and the
+    weights of the dense :class:`Linear` modules at ``dense`` (their paths)."""
+    return ("experts" in path or path[-1] in ("weight_packed", "weight_scale", "weight_zero_point")
+            or (path[-1] == "weight" and tuple(path[:-1]) in dense))
 
 
 def qmatmul_f32(h: jnp.ndarray, layer: QuantLinear) -> jnp.ndarray:

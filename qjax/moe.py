@@ -69,7 +69,7 @@ class SparseMoeBlock(nnx.Module):
         b, t, h = x.shape
         xf = x.reshape(b * t, h)
         with jax.named_scope("router"):
-            weights, idx = route(self.gate(xf), self.top_k)
+            weights, idx = route(self.gate(xf, group), self.top_k)
         with jax.named_scope("experts"):
             if self.mesh_plan is not None:
                 from .sharding import expert_parallel

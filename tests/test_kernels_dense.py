@@ -385,3 +385,71 @@ def test_layer_in_stack(fmt, bits, group, k, n, symmetric, m):
         ref = run_jit(lambda x, p, s, z, g_: entry(x, p, s, z, meta, impl="reference", group=g_), x, *stack,
                       jnp.int32(g))
         np.testing.assert_array_equal(np.asarray(ref), np.asarray(ref_qmatmul(x, *layers[g], meta)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# dense (unquantized) weights read inside their layer stack: kernels.matmul / matmul_pallas
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("x_dtype, w_dtype, m, n, k", [
+    (jnp.float32, jnp.float32, 1, 200, 100),   # M = 1 row reduction, N and K need padding
+    (jnp.float32, jnp.float32, 5, 24, 160),    # GEMV path, split-K
+    (jnp.float32, jnp.bfloat16, 37, 200, 96),  # GEMM path, weight cast to x's dtype in the kernel
+    (jnp.bfloat16, jnp.bfloat16, 9, 256, 512),
+])
+def test_dense_matmul(x_dtype, w_dtype, m, n, k):
+    """The dense kernel (``fmt="dense"``: the weight tile goes straight to the dot) equals XLA's ``x @ wᵀ``."""
+    from qjax.kernels.qmatmul_pallas import matmul_pallas
+
+    rng = np.random.default_rng(m * n + k)
+    w = make_x(rng, (n, k), w_dtype)
+    x = make_x(rng, (m, k), x_dtype)
+    y = run_jit(lambda x, w: matmul_pallas(x, w, interpret=True), x, w)
+    ref = run_jit(reference.matmul, x, w)
+    if x_dtype == jnp.float32:
+        record("dense f32", assert_f32_close(y, ref))
+    else:
+        assert_bf16_close(y, ref)
+
+
+@pytest.mark.parametrize("n, k, m", [
+    (256, 512, 1),    # read in place, M = 1
+    (128, 256, 37),   # read in place, GEMM path
+    (200, 100, 3),    # N and K need padding: the layer is sliced out instead
+])
+def test_dense_layer_in_stack(n, k, m):
+    """``kernels.matmul(x, w[G, N, K], group=g)`` equals ``x @ w[g]ᵀ`` through every implementation; the Pallas
+    kernel reads layer g in place when no padding is needed; rows above DENSE_IN_STACK_MAX_ROWS go to XLA's dot."""
+    from qjax.kernels import matmul as entry
+    from qjax.kernels.ops import DENSE_IN_STACK_MAX_ROWS
+    from qjax.kernels.qmatmul_pallas import _in_stack_ok, dense_meta, matmul_pallas
+
+    rng = np.random.default_rng(n + k + m)
+    stack = make_x(rng, (3, n, k))
+    x = make_x(rng, (m, k))
+    meta = dense_meta(n, k, stack.dtype)
+    assert _in_stack_ok(meta, choose_config(m, n, k, meta, x.dtype), None, None) == (n != 200)
+    for g in (0, 2):
+        want = run_jit(reference.matmul, x, stack[g])
+        got = run_jit(lambda x, w, g_: matmul_pallas(x, w, interpret=True, layer=g_), x, stack, jnp.int32(g))
+        assert_f32_close(got, want)
+        for impl in ("reference", "xla", "interpret"):
+            y = run_jit(lambda x, w, g_: entry(x, w, impl=impl, group=g_), x, stack, jnp.int32(g))
+            assert_f32_close(y, want)
+    def program(rows):
+        return str(jax.make_jaxpr(lambda x, w: entry(x, w, impl="interpret", group=jnp.int32(1)))(
+            make_x(rng, (rows, k)), stack))
+
+    assert "pallas_call" in program(m)
+    big = program(DENSE_IN_STACK_MAX_ROWS + 1)  # prefill-sized: sliced out for XLA's dot
+    assert "pallas_call" not in big and "dot_general" in big
+
+
+def test_dense_grad_x():
+    from qjax.kernels.qmatmul_pallas import matmul_pallas
+
+    rng = np.random.default_rng(3)
+    stack = make_x(rng, (2, 24, 96))
+    x, c = make_x(rng, (5, 96)), make_x(rng, (5, 24))
+    g = run_jit(jax.grad(lambda x: jnp.sum(matmul_pallas(x, stack, interpret=True, layer=jnp.int32(1)) * c)), x)
+    g_ref = run_jit(jax.grad(lambda x: jnp.sum(reference.matmul(x, stack[1]) * c)), x)
+    assert_f32_close(g, g_ref)

@@ -1,5 +1,6 @@
-"""The quantized checkpoints of the formats tests give unchanged logits through the Pallas entry points
-(interpret mode on CPU) — the model calls only ``qjax.kernels.qmatmul`` / ``moe_experts``.
+"""The quantized checkpoints of the formats tests (and an unquantized one) give unchanged logits and tokens through
+the Pallas entry points (interpret mode on CPU) — the model calls only ``qjax.kernels.qmatmul`` / ``moe_experts`` /
+``matmul``.
 
 Tolerance 1e-5 (fp32): same dequantized values, only the fp32 accumulation order differs inside the kernels.
 """
@@ -35,10 +36,20 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", sorted(RECIPES) + ["bf16_original"])
 def test_logits_unchanged_through_pallas_entry_points(name, tmp_path, monkeypatch):
     hf = make_hf_model(tiny_text_config(initializer_range=0.05), seed=5)
-    folder = write_ct_checkpoint(hf, tmp_path / name, RECIPES[name])
+    if name in RECIPES:
+        folder = write_ct_checkpoint(hf, tmp_path / name, RECIPES[name])
+    else:  # unquantized: the dense projections go through kernels.matmul, read inside the layer stack
+        folder = str(tmp_path / name)
+        hf.save_pretrained(folder)
+        from qjax.kernels import qmatmul_pallas
+
+        in_stack = []
+        real = qmatmul_pallas.matmul_pallas
+        monkeypatch.setattr(qmatmul_pallas, "matmul_pallas",
+                            lambda x, w, **kw: in_stack.append(w.shape) or real(x, w, **kw))
     ids = np.random.default_rng(0).integers(0, 512, (2, 21)).astype(np.int32)
     logits = {}
     for impl in ("reference", "interpret"):
@@ -50,5 +61,7 @@ def test_logits_unchanged_through_pallas_entry_points(name, tmp_path, monkeypatc
         out = qjax.generate(model, ids[:, :8], max_new_tokens=3)
         logits[impl + "_gen"] = out
     jax.clear_caches()
+    if name not in RECIPES:  # every projection of the tiny model is read in place at decode (M = 2 rows)
+        assert {shape[1:] for shape in in_stack} >= {(256, 64), (64, 128), (128, 64)}, in_stack
     assert np.abs(logits["interpret"] - logits["reference"]).max() <= 1e-5
     np.testing.assert_array_equal(logits["interpret_gen"], logits["reference_gen"])
