@@ -8,6 +8,8 @@ For every dense shape (N×K: 8192×2048 q_proj/in_proj_qkv, 2048×4096 o_proj/ou
   the baseline the issue names);
 - ``pallas``: the Pallas (Triton) kernel (GPU only; ``--check`` compares it with the reference first);
 - ``bf16``: a bf16 matmul of the same shape (dense) / the bf16-weight MoE reference;
+- ``dense bf16-stack``: an unquantized projection inside a ``[10, N, K]`` layer stack: XLA's dot on the sliced
+  layer (``ref``) vs ``qjax.kernels.matmul`` reading it in place (``pallas``, the path the model's decode takes);
 - bytes moved (packed weights + scales + zero points + activations in/out) ÷ time, and that as a share of the copy
   bandwidth measured in the same run (a jitted copy of a 1 GiB array; read + write counted).
 
@@ -104,6 +106,36 @@ def dense_cases(args, bw, rows):
                 print(fmt_row(row), flush=True)
 
 
+def dense_stack_cases(args, bw, rows, layers: int = 10):
+    """An unquantized BF16 projection as the model's layer scan holds it: a ``[10, N, K]`` stack and a traced layer
+    index. ``ref`` slices the layer for XLA's dot (what the model did before ``kernels.matmul``), ``pallas`` reads
+    it in place; ``bf16`` is the plain dot on an unstacked weight (no slice) for scale."""
+    for (n, k) in DENSE_SHAPES:
+        if args.filter and args.filter not in f"dense bf16-stack {n}x{k}":
+            continue
+        w = jax.random.normal(jax.random.key(n + k), (layers, n, k), jnp.bfloat16)
+        g = jnp.int32(layers // 2)
+        for m in MS:
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            ref = jax.jit(lambda x, w, g: ops.matmul(x, w, impl="reference", group=g))
+            bf = jax.jit(lambda x, w: x @ w.T)
+            row = dict(case=f"dense bf16-stack {n}x{k}", m=m)
+            row["ref"] = timeit(ref, x, w, g, repeats=args.repeats)
+            row["bf16"] = timeit(bf, x, w[0], repeats=args.repeats)
+            moved = n * k * 2 + nbytes(x) + m * n * 2
+            if args.impl != "reference":
+                pal = jax.jit(lambda x, w, g: ops.matmul(x, w, impl=args.impl, group=g))
+                if args.check:
+                    a = np.asarray(pal(x, w, g), np.float32)
+                    b = np.asarray(ref(x, w, g), np.float32)
+                    row["err"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+                row["pallas"] = timeit(pal, x, w, g, repeats=args.repeats)
+                row["bw"] = moved / row["pallas"] / bw
+            row["ref_bw"] = moved / row["ref"] / bw
+            rows.append(row)
+            print(fmt_row(row), flush=True)
+
+
 def moe_cases(args, bw, rows):
     e, k_top, h, inter = MOE["experts"], MOE["top_k"], MOE["hidden"], MOE["inter"]
     for scheme in SCHEMES:
@@ -174,6 +206,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     if not args.skip_dense:
         dense_cases(args, bw, rows)
+        dense_stack_cases(args, bw, rows)
     if not args.skip_moe:
         moe_cases(args, bw, rows)
     bad = [r for r in rows if r.get("err", 0) > 2e-2]
