@@ -440,18 +440,29 @@ def _qmatmul(x, packed, scale, zero, layer, meta, interpret, config):
 
 
 def _qmatmul_fwd(x, packed, scale, zero, layer, meta, interpret, config):
-    return _forward(x, packed, scale, zero, layer, meta, interpret, config), (packed, scale, zero, layer)
+    # a dense weight is trainable: keep x for its gradient
+    res = (packed, scale, zero, layer, x if meta.fmt == "dense" else None)
+    return _forward(x, packed, scale, zero, layer, meta, interpret, config), res
 
 
 def _qmatmul_bwd(meta, interpret, config, res, g):
-    packed, scale, zero, layer = res
+    stack, scale, zero, layer, x = res
+    packed = stack
     if layer is not None:
-        packed, scale, zero = _layer_of((packed, scale, zero), layer)
+        packed, scale, zero = _layer_of((stack, scale, zero), layer)
     w = packed.astype(g.dtype) if meta.fmt == "dense" else reference.dequantize(packed, scale, zero, meta, g.dtype)
     precision = lax.Precision.HIGHEST if g.dtype == jnp.float32 else None
     dx = lax.dot_general(g, w, (((g.ndim - 1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
-    return dx.astype(g.dtype), None, None, None, None
+    dw = None
+    if meta.fmt == "dense":  # dW = gᵀ·x over all rows; into layer `layer` of the stack, zeros elsewhere
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        prec = lax.Precision.HIGHEST if jnp.float32 in (g.dtype, x.dtype) else None
+        dw = lax.dot_general(g2, x2.astype(g2.dtype), (((0,), (0,)), ((), ())), precision=prec,
+                             preferred_element_type=jnp.float32).astype(stack.dtype)
+        if layer is not None:
+            dw = lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), dw, layer, 0)
+    return dx.astype(g.dtype), dw, None, None, None
 
 
 _qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
@@ -465,7 +476,7 @@ def qmatmul_pallas(x, packed, scale, zero, meta: QuantMeta, *, interpret: bool =
     ``config`` overrides the block sizes / path chosen by :func:`choose_config` (tests, tuning).
     ``layer``: packed / scale / zero carry a leading layer-stack axis ``[L, N, ·]`` and this is layer ``layer`` (int32
     scalar, may be traced); it is read in place when no padding is needed, else sliced out.
-    Differentiable w.r.t. ``x`` only.
+    Differentiable w.r.t. ``x`` only (packed weights are not trainable).
     """
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
     return _qmatmul(x, packed, scale, zero, layer, meta, bool(interpret), config)
@@ -476,7 +487,8 @@ def matmul_pallas(x, w, *, interpret: bool = False, config: KernelConfig | None 
 
     Only worth it with ``layer``: ``w`` is a ``[L, N, K]`` stack and this reads layer ``layer`` in place, where an
     XLA dot would take a sliced copy. Same paths, blocks and contract as :func:`qmatmul_pallas`; the weight tile is
-    cast to ``x.dtype`` in registers. Differentiable w.r.t. ``x`` only.
+    cast to ``x.dtype`` in registers. Differentiable w.r.t. ``x`` and ``w`` (plain-JAX backward; ``w``'s
+    cotangent is zero outside layer ``layer``), so a model trains the same through it.
     """
     meta = dense_meta(w.shape[-2], w.shape[-1], w.dtype)
     return qmatmul_pallas(x, w, None, None, meta, interpret=interpret, config=config, layer=layer)

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 
 # before JAX starts (see qjax/xla_env.py): single-threaded Eigen, and no YNNPACK fusions (fp32 error ~1e-2)
+import os  # noqa: E402
+
 from qjax import xla_env  # noqa: E402
 
 xla_env.apply(single_threaded=True)
+# The suite compiles ~2,000 small programs and runs most of them a few times: XLA:CPU's LLVM backend optimisation was
+# most of the wall time (tests/test_generate.py: backend compile 149 of 177 s; 79 of 108 s with these flags). The
+# HLO passes (fusion, layout, simplification) are unchanged, so the programs tested are the same; only LLVM's code
+# generation is less optimised. Set here, so every subprocess a test starts (CLI runs, the sharding probe) inherits
+# them; a flag the caller already set in XLA_FLAGS wins.
+for _flag, _value in (("xla_backend_optimization_level", "0"), ("xla_llvm_disable_expensive_passes", "true")):
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
 
 import atexit  # noqa: E402
-import os  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 

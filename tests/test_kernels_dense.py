@@ -444,12 +444,32 @@ def test_dense_layer_in_stack(n, k, m):
     assert "pallas_call" not in big and "dot_general" in big
 
 
-def test_dense_grad_x():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_grads(dtype):
+    """Gradients w.r.t. x and the weight stack equal plain JAX's on the sliced layer (the dense weights are trained:
+    qjax.train, and a model must learn the same with the kernels on)."""
+    from qjax.kernels import matmul as entry
     from qjax.kernels.qmatmul_pallas import matmul_pallas
 
     rng = np.random.default_rng(3)
-    stack = make_x(rng, (2, 24, 96))
-    x, c = make_x(rng, (5, 96)), make_x(rng, (5, 24))
-    g = run_jit(jax.grad(lambda x: jnp.sum(matmul_pallas(x, stack, interpret=True, layer=jnp.int32(1)) * c)), x)
-    g_ref = run_jit(jax.grad(lambda x: jnp.sum(reference.matmul(x, stack[1]) * c)), x)
-    assert_f32_close(g, g_ref)
+    stack = make_x(rng, (3, 32, 96), dtype)
+    x, c = make_x(rng, (5, 96), dtype), make_x(rng, (5, 32), dtype)
+
+    def loss(f):
+        return lambda x, w: jnp.sum((f(x, w) * c).astype(jnp.float32))
+
+    pal = loss(lambda x, w: matmul_pallas(x, w, interpret=True, layer=jnp.int32(1)))
+    ref = loss(lambda x, w: reference.matmul(x, w[1]))
+    ent = loss(lambda x, w: entry(x, w, impl="interpret", group=jnp.int32(1)))
+    want = run_jit(jax.grad(ref, argnums=(0, 1)), x, stack)
+    for f in (pal, ent):
+        got = run_jit(jax.grad(f, argnums=(0, 1)), x, stack)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype == dtype
+            if dtype == jnp.float32:
+                assert_f32_close(a, b)
+            else:
+                assert_bf16_close(a, b)
+        assert not np.any(np.asarray(got[1][0], np.float32)) and not np.any(np.asarray(got[1][2], np.float32))
+    unstacked = run_jit(jax.grad(loss(lambda x, w: matmul_pallas(x, w, interpret=True)), argnums=1), x, stack[1])
+    (assert_f32_close if dtype == jnp.float32 else assert_bf16_close)(unstacked, want[1][1])
