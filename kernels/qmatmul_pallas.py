@@ -387,7 +387,7 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
         out_specs=o_spec,
         compiler_params=_CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"qmatmul_{cfg.path}_{meta.fmt}{'' if meta.fmt == 'mxfp8' else meta.bits}",  # dense16: bf16
+        name=f"qmatmul_{cfg.path}_{meta.fmt}{'' if meta.fmt == 'mxfp8' else meta.bits}",
     )(*args)
     if split > 1:  # second pass: reduce the fp32 partials of the K splits
         out = out.reshape(split, mp, np_).sum(axis=0).astype(x.dtype)
