@@ -77,6 +77,21 @@ def copy_bandwidth(repeats: int) -> float:
     return 2 * x.nbytes / timeit(f, x, repeats=repeats)
 
 
+def measure(row: dict, ref, pal, call: tuple, moved: int, args, bw: float, rows: list) -> None:
+    """Time ``ref`` and (unless ``--impl reference``) ``pal`` on ``call``; with ``--check`` their max relative
+    difference first; both as shares of the copy bandwidth for ``moved`` bytes. Appends and prints the row."""
+    row["ref"] = timeit(ref, *call, repeats=args.repeats)
+    if args.impl != "reference":
+        if args.check:
+            a, b = np.asarray(pal(*call), np.float32), np.asarray(ref(*call), np.float32)
+            row["err"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+        row["pallas"] = timeit(pal, *call, repeats=args.repeats)
+        row["bw"] = moved / row["pallas"] / bw
+    row["ref_bw"] = moved / row["ref"] / bw
+    rows.append(row)
+    print(fmt_row(row), flush=True)
+
+
 def dense_cases(args, bw, rows):
     key = jax.random.key(0)
     for (n, k) in DENSE_SHAPES:
@@ -88,22 +103,11 @@ def dense_cases(args, bw, rows):
             for m in MS:
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
                 ref = jax.jit(lambda x, p, s: ops.qmatmul(x, p, s, None, meta, impl="reference"))
+                pal = jax.jit(lambda x, p, s: ops.qmatmul(x, p, s, None, meta, impl=args.impl))
                 bf = jax.jit(lambda x, w: x @ w.T)
                 row = dict(case=f"dense {scheme} {n}x{k}", m=m)
-                row["ref"] = timeit(ref, x, packed, scale, repeats=args.repeats)
                 row["bf16"] = timeit(bf, x, w_bf16, repeats=args.repeats)
-                moved = nbytes(packed, scale, x) + m * n * 2
-                if args.impl != "reference":
-                    pal = jax.jit(lambda x, p, s: ops.qmatmul(x, p, s, None, meta, impl=args.impl))
-                    if args.check:
-                        a = np.asarray(pal(x, packed, scale), np.float32)
-                        b = np.asarray(ref(x, packed, scale), np.float32)
-                        row["err"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-                    row["pallas"] = timeit(pal, x, packed, scale, repeats=args.repeats)
-                    row["bw"] = moved / row["pallas"] / bw
-                row["ref_bw"] = moved / row["ref"] / bw
-                rows.append(row)
-                print(fmt_row(row), flush=True)
+                measure(row, ref, pal, (x, packed, scale), nbytes(packed, scale, x) + m * n * 2, args, bw, rows)
 
 
 def dense_stack_cases(args, bw, rows, layers: int = 10):
@@ -118,22 +122,11 @@ def dense_stack_cases(args, bw, rows, layers: int = 10):
         for m in MS:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             ref = jax.jit(lambda x, w, g: ops.matmul(x, w, impl="reference", group=g))
+            pal = jax.jit(lambda x, w, g: ops.matmul(x, w, impl=args.impl, group=g))
             bf = jax.jit(lambda x, w: x @ w.T)
             row = dict(case=f"dense bf16-stack {n}x{k}", m=m)
-            row["ref"] = timeit(ref, x, w, g, repeats=args.repeats)
             row["bf16"] = timeit(bf, x, w[0], repeats=args.repeats)
-            moved = n * k * 2 + nbytes(x) + m * n * 2
-            if args.impl != "reference":
-                pal = jax.jit(lambda x, w, g: ops.matmul(x, w, impl=args.impl, group=g))
-                if args.check:
-                    a = np.asarray(pal(x, w, g), np.float32)
-                    b = np.asarray(ref(x, w, g), np.float32)
-                    row["err"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-                row["pallas"] = timeit(pal, x, w, g, repeats=args.repeats)
-                row["bw"] = moved / row["pallas"] / bw
-            row["ref_bw"] = moved / row["ref"] / bw
-            rows.append(row)
-            print(fmt_row(row), flush=True)
+            measure(row, ref, pal, (x, w, g), n * k * 2 + nbytes(x) + m * n * 2, args, bw, rows)
 
 
 def moe_cases(args, bw, rows):
@@ -157,22 +150,11 @@ def moe_cases(args, bw, rows):
 
             base = jax.jit(baseline)
             args_ = (x, idx.astype(jnp.int32), w, gu[0], gu[1], dn[0], dn[1])
-            row = dict(case=f"moe {scheme} E{e} top{k_top}", m=n)
-            row["ref"] = timeit(base, *args_, repeats=args.repeats)
             active = min(e, n * k_top)
             moved = (nbytes(gu[0], gu[1]) + nbytes(dn[0], dn[1])) * active // e + nbytes(x) * 2
-            if args.impl != "reference":
-                pal = jax.jit(lambda x, idx, w, gp, gs, dp, ds: ops.moe_experts(
-                    x, idx, w, (gp, gs, None, gu[3]), (dp, ds, None, dn[3]), impl=args.impl))
-                if args.check:
-                    a = np.asarray(pal(*args_), np.float32)
-                    b = np.asarray(base(*args_), np.float32)
-                    row["err"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-                row["pallas"] = timeit(pal, *args_, repeats=args.repeats)
-                row["bw"] = moved / row["pallas"] / bw
-            row["ref_bw"] = moved / row["ref"] / bw
-            rows.append(row)
-            print(fmt_row(row), flush=True)
+            pal = jax.jit(lambda x, idx, w, gp, gs, dp, ds: ops.moe_experts(
+                x, idx, w, (gp, gs, None, gu[3]), (dp, ds, None, dn[3]), impl=args.impl))
+            measure(dict(case=f"moe {scheme} E{e} top{k_top}", m=n), base, pal, args_, moved, args, bw, rows)
 
 
 HEADER = (f"{'case':<28} {'M':>4} {'ref µs':>9} {'pallas µs':>10} {'bf16 µs':>9} {'pallas/ref':>10} "

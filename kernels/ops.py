@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from . import moe_reference, reference
@@ -21,9 +23,7 @@ def matmul(x: jnp.ndarray, w: jnp.ndarray, *, impl: str | None = None, group=Non
     :data:`DENSE_IN_STACK_MAX_ROWS` rows the layer is read inside the stack; otherwise it is sliced out for XLA's dot.
     """
     which = resolve(impl)
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= d
+    rows = math.prod(x.shape[:-1])
     if group is not None and which in ("pallas", "interpret") and 0 < rows <= DENSE_IN_STACK_MAX_ROWS:
         from .qmatmul_pallas import matmul_pallas
 

@@ -12,13 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .kernels import matmul
-from .kernels.reference import matmul as reference_matmul
 from .quant.layers import QuantLinear
-
-
-def linear(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
-    """``x @ wᵀ`` with ``x [..., in]``, ``w [out, in]`` → ``[..., out]`` in x's dtype (fp32 accumulation)."""
-    return reference_matmul(x, w)
 
 
 def _normal(rngs: nnx.Rngs | None, shape, std: float, dtype) -> jnp.ndarray:
@@ -34,9 +28,8 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(_normal(rngs, (d_out, d_in), std, dtype))
 
     def __call__(self, x: jnp.ndarray, group=None) -> jnp.ndarray:
-        """``group``: the weight is the layer scan's ``[G, out, in]`` stack and this is layer ``group``."""
-        if group is None:
-            return linear(x, self.weight[...])
+        """``x [..., in]`` → ``[..., out]`` in x's dtype (fp32 accumulation). ``group``: the weight is the layer
+        scan's ``[G, out, in]`` stack and this is layer ``group``."""
         return matmul(x, self.weight[...], group=group)
 
 

@@ -21,8 +21,8 @@ from . import gdn
 from .cache import Cache, GDNState, KVState
 from .config import FULL, LINEAR, TextConfig
 from .layers import GatedRMSNorm, Linear, RMSNorm, _normal, make_linear
-from .moe import SparseMoeBlock
-from .quant.layers import Packed, QuantLinear, fake_quant_fp8, quantize_fp8
+from .moe import Experts, SparseMoeBlock
+from .quant.layers import Packed, QuantExperts, QuantLinear, fake_quant_fp8, quantize_fp8
 from .quant.spec import ModelQuant
 from .rope import apply_rope, rope_cos_sin
 
@@ -361,8 +361,8 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         # mesh, tensor and expert parallelism shard the weights per layer, so they are sliced as before.
         stacked = self.mesh_plan is None
         if stacked:
-            dense = frozenset(path for path, node in nnx.iter_graph(self.groups) if isinstance(node, Linear))
-            graphdef, whole, state = nnx.split(self.groups, functools.partial(_read_in_stack, dense), ...)
+            readers = frozenset(path for path, node in nnx.iter_graph(self.groups) if isinstance(node, _STACK_READERS))
+            graphdef, whole, state = nnx.split(self.groups, functools.partial(_read_in_stack, readers), ...)
         else:
             graphdef, state = nnx.split(self.groups)
 
@@ -441,11 +441,14 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         return self.logits_from_hidden(y)
 
 
-def _read_in_stack(dense: frozenset, path, value) -> bool:
-    """Variables the layer scan passes whole (``[G, …]``) for the kernels to index: packed weights, experts and the
-    weights of the dense :class:`Linear` modules at ``dense`` (their paths)."""
-    return ("experts" in path or path[-1] in ("weight_packed", "weight_scale", "weight_zero_point")
-            or (path[-1] == "weight" and tuple(path[:-1]) in dense))
+# modules whose __call__ takes ``group`` and indexes every one of their variables with it (through the kernels)
+_STACK_READERS = (Linear, QuantLinear, Experts, QuantExperts)
+
+
+def _read_in_stack(readers: frozenset, path, value) -> bool:
+    """Variables the layer scan passes whole (``[G, …]``): those of the modules at ``readers`` (their paths, the
+    :data:`_STACK_READERS` of the group), which read layer g inside the stack themselves."""
+    return any(tuple(path[:i]) in readers for i in range(1, len(path)))
 
 
 def qmatmul_f32(h: jnp.ndarray, layer: QuantLinear) -> jnp.ndarray:
