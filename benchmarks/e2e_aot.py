@@ -20,6 +20,7 @@ import os
 import re
 import shlex
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -117,18 +118,21 @@ def main(argv=None) -> int:
         fn, specs = bench.decode_program(model, batch=a.batch)
         specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep)
                              if hasattr(s, "shape") and hasattr(s, "dtype") else s, specs)
-        t0 = time.perf_counter()
-        with jax.default_device(target.device), jax.sharding.use_abstract_mesh(target.mesh.abstract_mesh):
-            compiled = jax.jit(fn, out_shardings=rep).trace(*specs).lower().compile()
-        secs = time.perf_counter() - t0
+        with tempfile.TemporaryDirectory(prefix="e2e_aot_") as dump:
+            t0 = time.perf_counter()
+            with jax.default_device(target.device), jax.sharding.use_abstract_mesh(target.mesh.abstract_mesh):
+                compiled = jax.jit(fn, out_shardings=rep).trace(*specs).lower().compile(
+                    compiler_options={"xla_dump_to": dump})
+            secs = time.perf_counter() - t0
+            launches = aot_h200.dump_launches(dump)
         hlo = compiled.as_text()
         per_iter, n = sliced_bytes(hlo, groups)
         model_bytes = bench.decode_bytes(model, a.batch, 512 + 32)
         temp = compiled.memory_analysis().temp_size_in_bytes
-        rows.append((recipe, secs, temp, per_iter * groups, n, model_bytes))
+        rows.append((recipe, secs, temp, per_iter * groups, n, model_bytes, launches))
         print(f"{recipe}: compiled in {secs:.1f} s, temp {temp / 1e6:.0f} MB, sliced per step "
-              f"{per_iter * groups / 1e6:.0f} MB in {n} slices/iteration, step needs {model_bytes['total'] / 1e6:.0f} MB",
-              flush=True)
+              f"{per_iter * groups / 1e6:.0f} MB in {n} slices/iteration, step needs {model_bytes['total'] / 1e6:.0f} MB"
+              f", launches per step {launches}", flush=True)
     lines = [SECTION, "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__} deviceless, target "
              "NVIDIA H200 (kernels/h200.txtpb); no GPU",
@@ -136,14 +140,17 @@ def main(argv=None) -> int:
              f"- qjax: {git_state()}",
              f"- program: qjax.generate's decode `while_loop`, batch {a.batch}, 512-token context, 64 steps; the real "
              "35B-A3B config in bf16; sliced bytes = Σ dynamic slices of [G=10, …] operands in the optimised HLO × 10 "
-             "scan iterations (each is a copy: read + write); step needs = bytes the decode bound counts",
+             "scan iterations (each is a copy: read + write); step needs = bytes the decode bound counts; launches = kernels and "
+             "device copies one decode step runs, from the compiled thunk sequence (`aot_h200.loop_launches`: nested loops × their "
+             "trip counts, the layer scan's body × 10)",
              "",
              "| recipe | compile s | XLA temp MB | copied per step MB | slices / iteration | step needs MB | copy traffic "
-             "(read + write) ÷ needed |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for recipe, secs, temp, copied, n, need in rows:
+             "(read + write) ÷ needed | launches / step | Pallas | other kernels | device copies |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for recipe, secs, temp, copied, n, need, launches in rows:
         lines.append(f"| {recipe} | {secs:.1f} | {temp / 1e6:.0f} | {copied / 1e6:.0f} | {n} | "
-                     f"{need['total'] / 1e6:.0f} | {2 * copied / need['total']:.2f} |")
+                     f"{need['total'] / 1e6:.0f} | {2 * copied / need['total']:.2f} | {sum(launches.values()):,} | "
+                     f"{launches.get('pallas', 0):,} | {launches.get('xla', 0):,} | {launches.get('copy', 0):,} |")
     lines += ["", NOTES.rstrip()]
     text = "\n".join(lines) + "\n"
     print(text)

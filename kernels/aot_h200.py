@@ -254,11 +254,108 @@ def _kib(b: int) -> str:
 
 
 def _smem_from_dump(dump: Path) -> str:
-    kernels = [(int(s), n) for f in dump.glob("*thunk_sequence*") for n, s in _THUNK.findall(f.read_text())]
+    files = sorted(dump.glob("*thunk_sequence_after_thunk_passes.txt")) or sorted(dump.glob("*thunk_sequence*"))
+    kernels = [(int(s), n) for f in files for n, s in _THUNK.findall(f.read_text())]
     if not kernels:
         return "smem=?"
     smem, name = max(kernels)
     return f"smem={smem}B({name}; {len(kernels)} kernels)"
+
+
+_THUNK_LINE = re.compile(r"(\d+): (k\w+)\s+\[[^\]]*\]\s*(\S*)")
+_THUNK_CONTAINERS = {"kWhile", "kConditional", "kCommandBuffer", "kAsyncStart", "kDynamicSliceFusion", "kSequential"}
+_THUNK_NO_LAUNCH = {"kAsyncDone", "kWaitForStreams"}
+
+
+@dataclasses.dataclass
+class _ThunkNode:
+    kind: str  # a thunk kind, or a section ("body", "condition", "true_branch", "branch_0", …)
+    id: int = -1
+    name: str = ""
+    children: list = dataclasses.field(default_factory=list)
+
+
+def _thunk_tree(text: str) -> list[_ThunkNode]:
+    """XLA:GPU's ``*thunk_sequence_after_thunk_passes.txt`` dump as a tree, by indentation (a ``condition:`` header
+    is printed in column 0: it belongs to the ``kWhile`` just above)."""
+    roots: list[_ThunkNode] = []
+    stack: list[tuple[int, _ThunkNode]] = []
+    last_while = 0
+    for line in text.splitlines():
+        body = line.strip()
+        if not body:
+            continue
+        indent = len(line) - len(line.lstrip())
+        m = _THUNK_LINE.match(body)
+        if m is None and not body.endswith(":"):
+            continue
+        if body == "condition:":
+            indent = last_while + 2
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        node = _ThunkNode(body[:-1]) if m is None else _ThunkNode(m.group(2), int(m.group(1)), m.group(3))
+        if node.kind == "kWhile":
+            last_while = indent
+        (stack[-1][1].children if stack else roots).append(node)
+        stack.append((indent, node))
+    return roots
+
+
+def loop_launches(thunks: str, metadata: str, hlo: str) -> dict[str, int]:
+    """Device launches (kernels and copies) per iteration of the program's outermost while loop, by kind.
+
+    From an XLA:GPU dump (``xla_dump_to``): ``thunks`` = ``*thunk_sequence_after_thunk_passes.txt``, ``metadata`` =
+    ``*thunk_metadata.txt`` (thunk id → HLO instruction), ``hlo`` = the optimised HLO (each nested while's
+    ``known_trip_count``: the layer scan's G, a loop over the k routed slots, …). A conditional counts its costliest
+    branch (in a decode loop, the step rather than the finished-rows copy). Kinds: ``pallas`` (qjax's kernels),
+    ``copy`` (device copies), ``xla`` (every other kernel: fusions, cuBLAS / Triton GEMMs, sorts). These are what a
+    CUDA graph replays one after another; at batch-1 decode their fixed cost per launch, not bytes, can set the time.
+    A nested loop without a known trip count raises.
+    """
+    names = {int(i): a for a, i in re.findall(r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)', metadata)}
+    trips = {m.group(1): int(m.group(2)) for m in
+             re.finditer(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]* while\([^\n]*"known_trip_count":\{"n":"(\d+)"', hlo,
+                         re.MULTILINE)}
+
+    def count(nodes) -> dict[str, int]:
+        out: dict[str, int] = {}
+
+        def add(d, times=1):
+            for key, v in d.items():
+                out[key] = out.get(key, 0) + v * times
+        for node in nodes:
+            if node.kind == "kWhile":
+                name = names.get(node.id)
+                if name not in trips:
+                    raise ValueError(f"while thunk {node.id} ({name}) has no known trip count in the HLO")
+                add(count(node.children), trips[name])
+            elif node.kind == "kConditional":
+                add(max((count(b.children) for b in node.children), key=lambda d: sum(d.values()), default={}))
+            elif node.kind in _THUNK_CONTAINERS or not node.kind.startswith("k"):
+                add(count(node.children))
+            elif node.kind not in _THUNK_NO_LAUNCH:
+                kind = ("pallas" if node.name.startswith(("qmatmul_", "qjax_")) else
+                        "copy" if node.kind == "kCopy" else "xla")
+                out[kind] = out.get(kind, 0) + 1
+        return out
+
+    loops = [n for n in _thunk_tree(thunks) if n.kind == "kWhile"]
+    if not loops:
+        raise ValueError("no while loop in the thunk sequence")
+    return count(loops[0].children)
+
+
+def dump_launches(dump: str | Path) -> dict[str, int]:
+    """:func:`loop_launches` of the one module dumped into ``dump``."""
+    dump = Path(dump)
+
+    def one(pattern):
+        files = sorted(dump.glob(pattern))
+        if len(files) != 1:
+            raise ValueError(f"{dump}: want one {pattern}, found {len(files)}")
+        return files[0].read_text()
+    return loop_launches(one("*thunk_sequence_after_thunk_passes.txt"), one("*thunk_metadata.txt"),
+                         one("*gpu_after_optimizations.txt"))
 
 
 def compile_case(case: Case, target: Target) -> tuple[float, str]:

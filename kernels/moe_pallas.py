@@ -10,8 +10,9 @@ Pipeline (vLLM ``fused_moe`` / ``moe_align_block_size`` style; KERNELS.md §7.3,
    M-block, −1 for blocks past the used rows: those programs return at once), ``row_slot [R]`` (token-slot
    ``n·k + j`` of each padded row, ``S`` on padding rows, which the kernels mask to zero) and ``slot_row [N, k]``
    (padded row of each slot).  ``B = ⌊(S + min(E, S)·(bm − 1)) / bm⌋`` is a static bound on the M-blocks,
-   ``R = B·bm``.  Up to 1024 slots the alignment is compares + reductions only (no sort, no scatter: 7 small XLA
-   kernels at decode, which is launch-bound); beyond, a stable argsort + bincount + two scatters.
+   ``R = B·bm``.  One token (batch-1 decode, launch-bound): block j is slot j and nothing is sorted (one fused
+   elementwise op).  Up to 1024 slots the alignment is compares + reductions only (no sort, no scatter: 7 small XLA
+   kernels at decode); beyond, a stable argsort + bincount + two scatters.
 2. *gate_up kernel*, grid ``(B, ⌈I/bn⌉)``: program (b, j) gathers the ``bm`` token rows of block b, streams K = H in
    ``bk`` chunks (token = slot // k), dequantizes the gate rows ``j·bn + [0, bn)`` and the up rows
    ``I + j·bn + [0, bn)`` of the block's expert in registers and accumulates both dots in fp32; epilogue
@@ -44,6 +45,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -311,12 +313,17 @@ def _num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
 _DENSE_ALIGN_MAX_SLOTS = 1024  # up to here the compare-based alignment (no sort, no scatter) is used
 
 
-def _align(idx, num_experts: int, bm: int, *, dense: bool | None = None):
+def _align(idx, num_experts: int, bm: int, *, dense: bool | None = None, per_slot: bool | None = None):
     """Sort token-slots by expert and pad each expert's run to a multiple of ``bm`` (``moe_align_block_size``).
 
     Returns ``blk_expert [B]`` (−1 past the used blocks), ``row_slot [R]`` (slot of each padded row, ``S`` on
     padding) and ``slot_row [N, k]`` (padded row of each slot, ``≥ R`` for a dropped slot: an id outside
     ``[0, E)``); within an expert the slots keep their order.
+
+    *per_slot* (default for one token, ``N = 1``; the block bound ``B`` is then exactly ``k``): block j is slot j
+    (a token's top-k experts are distinct, so no expert needs two blocks), ``row_slot`` is a constant and
+    ``blk_expert`` the ids themselves (−1 for a dropped slot): one fused elementwise op instead of the
+    alignment's kernels, at batch-1 decode, which is launch-bound. The blocks are in slot order, not expert order.
 
     Two formulations with identical results: *dense* (``S ≤ 1024``, decode and short prefills) builds everything
     from compares and reductions over ``[S, S]`` / ``[R, S]`` / ``[B, E]`` — no sort, no scatter, so XLA fuses it
@@ -330,6 +337,15 @@ def _align(idx, num_experts: int, bm: int, *, dense: bool | None = None):
     flat = idx.reshape(-1).astype(jnp.int32)
     slots = jnp.arange(s, dtype=jnp.int32)
     valid = (flat >= 0) & (flat < num_experts)  # ids outside [0, E) are dropped slots (expert parallelism)
+    if per_slot is None:
+        per_slot = n == 1 and nb == k
+    if per_slot:
+        if n != 1 or nb != k:
+            raise ValueError(f"the per-slot layout needs one token and B = k blocks (got N={n}, k={k}, B={nb})")
+        row_slot = np.full((k, bm), s, np.int32)
+        row_slot[:, 0] = np.arange(k)
+        return (jnp.where(valid, flat, -1), jnp.asarray(row_slot.reshape(-1)),
+                jnp.where(valid, slots * bm, r).reshape(n, k))
     flat = jnp.where(valid, flat, num_experts)  # sorts after every expert, counted by none
     if dense is None:
         dense = s <= _DENSE_ALIGN_MAX_SLOTS

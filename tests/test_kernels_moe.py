@@ -18,6 +18,7 @@ Tolerances (max |out − ref| / max |ref|):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import jax
@@ -263,6 +264,40 @@ def test_align_blocks(mode, dense):
         blk = row_slot[b * bm:(b + 1) * bm]
         real = blk[blk < s]
         assert np.all(np.diff(real) > 0) and np.all(blk[len(real):] == s)
+
+
+@pytest.mark.parametrize("mode", ["topk", "dup", "dropped"])
+def test_single_token_per_slot_blocks(mode, monkeypatch):
+    """One token (batch-1 decode) takes the per-slot layout (block j = slot j, no alignment kernels): the same
+    bits as the expert-sorted alignment, equal to the reference, with a token hitting one expert twice and with
+    dropped slots (−1 blocks); its invariants."""
+    case = CASES["odd_int4_asym_g32_g8"]
+    gm, dm = case.metas()
+    x, idx, w, gu, dn = _data(case, 1, jnp.float32, mode="dup" if mode == "dup" else "topk", seed=6)
+    k, bm = case.top_k, 16
+    if mode == "dup":
+        idx = idx.at[0, 1].set(idx[0, 0])
+    if mode == "dropped":
+        idx = idx.at[0, 0].set(-1).at[0, k - 1].set(case.experts + 2)
+    kept = (np.asarray(idx) >= 0) & (np.asarray(idx) < case.experts)
+    blk_expert, row_slot, slot_row = map(np.asarray, _align(idx, case.experts, bm))
+    assert blk_expert.shape == (k,) and row_slot.shape == (k * bm,)
+    np.testing.assert_array_equal(blk_expert, np.where(kept[0], np.asarray(idx)[0], -1))
+    np.testing.assert_array_equal(row_slot[slot_row[kept]], np.flatnonzero(kept.reshape(-1)))
+    assert np.all(slot_row[~kept] >= k * bm) and np.sum(row_slot < k) == k
+
+    def run():
+        return np.asarray(jax.jit(lambda x, idx, w: moe_experts_pallas(
+            x, idx, w, (*gu, gm), (*dn, dm), interpret=True))(x, idx, w))
+
+    per_slot = run()
+    monkeypatch.setattr(moe_pallas, "_align", functools.partial(_align, per_slot=False))
+    np.testing.assert_array_equal(per_slot, run())
+    want = moe_experts(x, jnp.where(jnp.asarray(kept), idx, 0), jnp.where(jnp.asarray(kept), w, 0.0),
+                       (*gu, gm), (*dn, dm))
+    assert _rel_err(per_slot, want) <= F32_TOL
+    with pytest.raises(ValueError, match="per-slot layout needs one token"):
+        _align(jnp.zeros((2, k), jnp.int32), case.experts, bm, per_slot=True)
 
 
 def test_config_tiles():
