@@ -19,15 +19,19 @@ DENSE_IN_STACK_MAX_ROWS = 128
 def matmul(x: jnp.ndarray, w: jnp.ndarray, *, impl: str | None = None, group=None) -> jnp.ndarray:
     """``x [..., K] @ wᵀ`` → ``[..., N]`` in x's dtype (fp32 accumulation) for an unquantized weight ``w [N, K]``.
 
-    ``group``: ``w`` is a ``[G, N, K]`` layer stack and this is layer ``group``. With the Pallas kernels and at most
-    :data:`DENSE_IN_STACK_MAX_ROWS` rows the layer is read inside the stack; otherwise it is sliced out for XLA's dot.
+    ``group``: ``w`` is a ``[G, N, K]`` layer stack and this is layer ``group``. With the Pallas kernels, at most
+    :data:`DENSE_IN_STACK_MAX_ROWS` rows and N, K on the kernel's blocks the layer is read inside the stack;
+    otherwise it is sliced out for XLA's dot.
     """
     which = resolve(impl)
     rows = math.prod(x.shape[:-1])
     if group is not None and which in ("pallas", "interpret") and 0 < rows <= DENSE_IN_STACK_MAX_ROWS:
-        from .qmatmul_pallas import matmul_pallas
+        from .qmatmul_pallas import dense_in_stack_ok, matmul_pallas
 
-        return matmul_pallas(x, w, interpret=which == "interpret", layer=group)
+        # a layer the kernel cannot read in place (N or K off its blocks: the 1-row shared_expert_gate) goes to
+        # XLA, which reads such a small slice inside its own fusion: one kernel instead of a pad copy + the kernel
+        if dense_in_stack_ok(rows, *w.shape[1:], w.dtype, x.dtype):
+            return matmul_pallas(x, w, interpret=which == "interpret", layer=group)
     return reference.matmul(x, w if group is None else w[group])
 
 

@@ -482,6 +482,13 @@ def qmatmul_pallas(x, packed, scale, zero, meta: QuantMeta, *, interpret: bool =
     return _qmatmul(x, packed, scale, zero, layer, meta, bool(interpret), config)
 
 
+def dense_in_stack_ok(m: int, n: int, k: int, w_dtype, x_dtype) -> bool:
+    """Whether :func:`matmul_pallas` reads an ``[L, N, K]`` layer in place for ``m`` rows, with its default blocks
+    (otherwise it would slice and pad the layer first: a copy and an extra kernel)."""
+    meta = dense_meta(n, k, w_dtype)
+    return _in_stack_ok(meta, choose_config(m, n, k, meta, x_dtype), None, None)
+
+
 def matmul_pallas(x, w, *, interpret: bool = False, config: KernelConfig | None = None, layer=None) -> jax.Array:
     """``x [..., K] @ wᵀ`` → ``[..., N]`` in ``x.dtype`` (fp32 accumulation) for an unquantized weight ``w [N, K]``.
 

@@ -414,20 +414,22 @@ def test_dense_matmul(x_dtype, w_dtype, m, n, k):
 @pytest.mark.parametrize("n, k, m", [
     (256, 512, 1),    # read in place, M = 1
     (128, 256, 37),   # read in place, GEMM path
-    (200, 100, 3),    # N and K need padding: the layer is sliced out instead
+    (200, 100, 3),    # N and K need padding: kernels.matmul leaves the layer to XLA
 ])
 def test_dense_layer_in_stack(n, k, m):
     """``kernels.matmul(x, w[G, N, K], group=g)`` equals ``x @ w[g]ᵀ`` through every implementation; the Pallas
-    kernel reads layer g in place when no padding is needed; rows above DENSE_IN_STACK_MAX_ROWS go to XLA's dot."""
+    kernel reads layer g in place when no padding is needed; a layer that would need padding (matmul_pallas would
+    slice and pad it: a copy and an extra launch) and rows above DENSE_IN_STACK_MAX_ROWS go to XLA's dot."""
     from qjax.kernels import matmul as entry
     from qjax.kernels.ops import DENSE_IN_STACK_MAX_ROWS
-    from qjax.kernels.qmatmul_pallas import _in_stack_ok, dense_meta, matmul_pallas
+    from qjax.kernels.qmatmul_pallas import _in_stack_ok, dense_in_stack_ok, dense_meta, matmul_pallas
 
     rng = np.random.default_rng(n + k + m)
     stack = make_x(rng, (3, n, k))
     x = make_x(rng, (m, k))
     meta = dense_meta(n, k, stack.dtype)
     assert _in_stack_ok(meta, choose_config(m, n, k, meta, x.dtype), None, None) == (n != 200)
+    assert dense_in_stack_ok(m, n, k, stack.dtype, x.dtype) == (n != 200)
     for g in (0, 2):
         want = run_jit(reference.matmul, x, stack[g])
         got = run_jit(lambda x, w, g_: matmul_pallas(x, w, interpret=True, layer=g_), x, stack, jnp.int32(g))
@@ -439,7 +441,7 @@ def test_dense_layer_in_stack(n, k, m):
         return str(jax.make_jaxpr(lambda x, w: entry(x, w, impl="interpret", group=jnp.int32(1)))(
             make_x(rng, (rows, k)), stack))
 
-    assert "pallas_call" in program(m)
+    assert ("pallas_call" in program(m)) == (n != 200)
     big = program(DENSE_IN_STACK_MAX_ROWS + 1)  # prefill-sized: sliced out for XLA's dot
     assert "pallas_call" not in big and "dot_general" in big
 
