@@ -28,7 +28,7 @@ os.environ.setdefault("QJAX_KERNELS", "pallas")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_speed import RESULTS, git_state, write_section  # noqa: E402
 
-SECTION = "## Decode step compiled for H200 without a GPU: weight copies (issue 8)"
+SECTION = "## Decode step compiled for H200 without a GPU: weight copies and launches (issue 8)"
 NOTES = """- History of this table: at commit de5439f the scan sliced every stacked variable, the routed experts
   included: XLA temp 1,132 MB and every decode step copied all 256 experts of every layer — about 10.9 GB read
   and written per step, 10× what the step needs, which would have held an H200 below ~200 tok/s at batch 1.
@@ -43,6 +43,20 @@ NOTES = """- History of this table: at commit de5439f the scan sliced every stac
   small vectors.
 - At batch 64 (`--batch 64`, mxfp8-experts) nothing large is copied either; XLA temp is 9.1 GB there, the new
   GDN-state and KV stacks the scan writes (64 × 63 MB of state).
+- Launches per step (new columns): at batch 1 the step's bytes take ~0.5 ms at the H200's ~4.3 TB/s copy rate
+  (2,211 MB, w2w4) and the 1,000 tok/s target leaves 1 ms, while a CUDA graph still pays a fixed cost per kernel
+  (launch and ramp, about a microsecond or more; not measured here): ~1,400 launches can cost as much as the
+  bytes. Two changes cut w2w4 from 1,745 to 1,385 (this commit's table): the MoE kernels take one token's k slots
+  as k blocks directly (no alignment kernels: −280), and the 1-row `shared_expert_gate` goes to XLA's fused dot
+  instead of a pad copy + the dense kernel (−80). What one w2w4 layer still launches, from the thunk dump: a GDN
+  layer 30 — residual add and two RMSNorms 5 (XLA does not fuse the norm's reduction with its scaling), five
+  projection GEMVs, 7 XLA kernels of the GDN step (conv + SiLU, l2-norm, decay, three state contractions, gated
+  norm), router 5 (GEMV, softmax, copy + sort for top-k, weight cast), shared expert 4, MoE 3; a full-attention
+  layer about 31, plus per group of 4 layers 7 writes of the new GDN / KV state into the cache stacks. Next
+  candidates: one Pallas kernel for the GDN decode step (7 → 1, and the state read once instead of three times),
+  the RMSNorm folded into the following GEMV's prologue (−2 per norm), top-k inside the MoE kernels (−4). The
+  unquantized experts (bf16 recipe) still take the plain-JAX per-slot loop (8 iterations × 4 kernels per layer):
+  3,145 launches.
 - The copied-bytes count is parsed from the optimised HLO (dynamic slices of [G, …] operands in the computations
   that launch kernels, not inside fused computations) and is a compile-time estimate: XLA may overlap the copies
   with compute, but every byte is still read and written once per step.
@@ -131,8 +145,8 @@ def main(argv=None) -> int:
         temp = compiled.memory_analysis().temp_size_in_bytes
         rows.append((recipe, secs, temp, per_iter * groups, n, model_bytes, launches))
         print(f"{recipe}: compiled in {secs:.1f} s, temp {temp / 1e6:.0f} MB, sliced per step "
-              f"{per_iter * groups / 1e6:.0f} MB in {n} slices/iteration, step needs {model_bytes['total'] / 1e6:.0f} MB"
-              f", launches per step {launches}", flush=True)
+              f"{per_iter * groups / 1e6:.0f} MB in {n} slices/iteration, "
+              f"step needs {model_bytes['total'] / 1e6:.0f} MB, launches per step {launches}", flush=True)
     lines = [SECTION, "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__} deviceless, target "
              "NVIDIA H200 (kernels/h200.txtpb); no GPU",
@@ -140,9 +154,9 @@ def main(argv=None) -> int:
              f"- qjax: {git_state()}",
              f"- program: qjax.generate's decode `while_loop`, batch {a.batch}, 512-token context, 64 steps; the real "
              "35B-A3B config in bf16; sliced bytes = Σ dynamic slices of [G=10, …] operands in the optimised HLO × 10 "
-             "scan iterations (each is a copy: read + write); step needs = bytes the decode bound counts; launches = kernels and "
-             "device copies one decode step runs, from the compiled thunk sequence (`aot_h200.loop_launches`: nested loops × their "
-             "trip counts, the layer scan's body × 10)",
+             "scan iterations (each is a copy: read + write); step needs = bytes the decode bound counts; launches = "
+             "kernels and device copies one decode step runs, from the compiled thunk sequence "
+             "(`aot_h200.loop_launches`: nested loops × their trip counts, the layer scan's body × 10)",
              "",
              "| recipe | compile s | XLA temp MB | copied per step MB | slices / iteration | step needs MB | copy traffic "
              "(read + write) ÷ needed | launches / step | Pallas | other kernels | device copies |",

@@ -354,8 +354,9 @@ def dump_launches(dump: str | Path) -> dict[str, int]:
         if len(files) != 1:
             raise ValueError(f"{dump}: want one {pattern}, found {len(files)}")
         return files[0].read_text()
-    return loop_launches(one("*thunk_sequence_after_thunk_passes.txt"), one("*thunk_metadata.txt"),
-                         one("*gpu_after_optimizations.txt"))
+    # XLA writes the sequence after its thunk passes only when a pass ran (command buffers): else the one sequence
+    seq = "*thunk_sequence_after_thunk_passes.txt" if any(dump.glob("*after_thunk_passes.txt")) else "*thunk_sequence.txt"
+    return loop_launches(one(seq), one("*thunk_metadata.txt"), one("*gpu_after_optimizations.txt"))
 
 
 def compile_case(case: Case, target: Target) -> tuple[float, str]:
