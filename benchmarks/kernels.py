@@ -10,6 +10,8 @@ For every dense shape (N×K: 8192×2048 q_proj/in_proj_qkv, 2048×4096 o_proj/ou
 - ``bf16``: a bf16 matmul of the same shape (dense) / the bf16-weight MoE reference;
 - ``dense bf16-stack``: an unquantized projection inside a ``[10, N, K]`` layer stack: XLA's dot on the sliced
   layer (``ref``) vs ``qjax.kernels.matmul`` reading it in place (``pallas``, the path the model's decode takes);
+- ``moe bf16-experts``: the unquantized MoE layer: the plain-JAX reference (``ref``) vs the MoE kernels reading
+  the BF16 experts directly (``pallas``);
 - bytes moved (packed weights + scales + zero points + activations in/out) ÷ time, and that as a share of the copy
   bandwidth measured in the same run (a jitted copy of a 1 GiB array; read + write counted).
 
@@ -31,7 +33,7 @@ import numpy as np
 
 from qjax.kernels import QuantMeta, ops
 from qjax.kernels.moe_reference import experts_grouped
-from qjax.kernels.reference import dequantize
+from qjax.kernels.reference import dense_meta, dequantize
 
 DENSE_SHAPES = [(8192, 2048), (2048, 4096), (4096, 2048), (512, 2048), (2048, 512)]
 MS = [1, 8, 64, 512]
@@ -157,6 +159,31 @@ def moe_cases(args, bw, rows):
             measure(dict(case=f"moe {scheme} E{e} top{k_top}", m=n), base, pal, args_, moved, args, bw, rows)
 
 
+def moe_dense_cases(args, bw, rows):
+    """The unquantized (BF16 original) model's MoE layer: ``ref`` is the plain-JAX reference the model used before
+    the kernels took dense experts (a per-slot loop at decode, expert-aligned blocks at prefill), ``pallas`` the
+    MoE kernels with ``fmt="dense"`` tiles."""
+    if args.filter and args.filter not in "moe bf16-experts":
+        return
+    e, k_top, h, inter = MOE["experts"], MOE["top_k"], MOE["hidden"], MOE["inter"]
+    gu = jax.random.normal(jax.random.key(1), (e, 2 * inter, h), jnp.bfloat16) * 0.03
+    dn = jax.random.normal(jax.random.key(2), (e, h, inter), jnp.bfloat16) * 0.03
+    gm, dm = dense_meta(2 * inter, h, jnp.bfloat16), dense_meta(h, inter, jnp.bfloat16)
+    for n in MS:
+        x = jax.random.normal(jax.random.key(n), (n, h), jnp.bfloat16)
+        logits = jax.random.normal(jax.random.key(n + 1), (n, e), jnp.float32)
+        w, idx = jax.lax.top_k(jax.nn.softmax(logits), k_top)
+        w = (w / w.sum(-1, keepdims=True)).astype(jnp.bfloat16)
+        ref = jax.jit(lambda x, idx, w, gu, dn: ops.moe_experts(x, idx, w, (gu, None, None, gm), (dn, None, None, dm),
+                                                                impl="reference"))
+        pal = jax.jit(lambda x, idx, w, gu, dn: ops.moe_experts(x, idx, w, (gu, None, None, gm), (dn, None, None, dm),
+                                                                impl=args.impl))
+        active = min(e, n * k_top)
+        moved = (nbytes(gu) + nbytes(dn)) * active // e + nbytes(x) * 2
+        measure(dict(case=f"moe bf16-experts E{e} top{k_top}", m=n), ref, pal,
+                (x, idx.astype(jnp.int32), w, gu, dn), moved, args, bw, rows)
+
+
 HEADER = (f"{'case':<28} {'M':>4} {'ref µs':>9} {'pallas µs':>10} {'bf16 µs':>9} {'pallas/ref':>10} "
           f"{'%copyBW':>8} {'max rel err':>12}")
 
@@ -191,6 +218,7 @@ def main(argv=None) -> int:
         dense_stack_cases(args, bw, rows)
     if not args.skip_moe:
         moe_cases(args, bw, rows)
+        moe_dense_cases(args, bw, rows)
     bad = [r for r in rows if r.get("err", 0) > 2e-2]
     if bad:
         print(f"CHECK FAILED for {len(bad)} cases: " + ", ".join(f"{r['case']} M={r['m']}" for r in bad))

@@ -33,8 +33,11 @@ visible to Triton's axis analysis), while interpret mode — which cannot mix ar
 into clamped gathers whose out-of-range positions the masks (with ``other=``) replace.  All tensors inside the
 kernels have power-of-two shapes; odd H / I / group sizes are handled by masks.
 
-Gradients: ``jax.custom_vjp`` with the backward through the plain-JAX reference (cotangents for ``x`` and the
-routing ``weights``; none for ids or packed weights).
+Unquantized experts (``fmt="dense"``, :func:`.reference.dense_meta`: the weight stack itself, no scales) take the
+same kernels, the tile loaded as it is instead of dequantized: the BF16 model's experts run fused like packed ones.
+
+Gradients: ``jax.custom_vjp`` with the backward through the plain-JAX reference (cotangents for ``x``, the routing
+``weights`` and dense expert weights; none for ids or packed weights).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import moe_reference
-from .reference import QuantMeta
+from .reference import QuantMeta, dense_meta
 
 __all__ = ["MoEConfig", "lowering_cases", "moe_config", "moe_experts_pallas"]
 
@@ -163,7 +166,12 @@ def _dequant_tile(packed_ref, scale_ref, zero_ref, e, rows, row_mask, kk, *, met
     k = meta.in_features
     cols = kk * bk + lax.iota(jnp.int32, bk)
     col_mask = None if k % bk == 0 else cols < k
-    if meta.fmt == "int":
+    if meta.fmt == "dense":  # unquantized weights: the tile itself
+        mask = _full_mask(_and(None if row_mask is None else row_mask[:, None],
+                               None if col_mask is None else col_mask[None, :]), (bn, bk))
+        w = plgpu.load(packed_ref.at[e, rows[:, None], cols[None, :]], mask=mask,
+                       other=None if mask is None else 0).astype(dtype)
+    elif meta.fmt == "int":
         bits, pack = meta.bits, meta.pack_factor
         bkw = bk // pack
         n_words = packed_ref.shape[2]
@@ -223,12 +231,17 @@ def _dot_nt(a, w):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _weight_refs(refs, has_zero: bool, dense: bool):
+    """``(packed, scale, zero)`` refs from the tail of a kernel's weight refs (a dense weight has neither scale nor
+    zero)."""
+    if dense:
+        return refs[0], None, None
+    return refs[0], refs[1], refs[2] if has_zero else None
+
+
 def _gate_up_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig, inter: int, top_k: int):
-    if has_zero:
-        blk_expert_ref, row_slot_ref, x_ref, packed_ref, scale_ref, zero_ref, act_ref = refs
-    else:
-        blk_expert_ref, row_slot_ref, x_ref, packed_ref, scale_ref, act_ref = refs
-        zero_ref = None
+    blk_expert_ref, row_slot_ref, x_ref, *weight_refs, act_ref = refs
+    packed_ref, scale_ref, zero_ref = _weight_refs(weight_refs, has_zero, meta.fmt == "dense")
     num_slots = x_ref.shape[0] * top_k
     bm, bn, bk = cfg.bm, cfg.gu_bn, cfg.gu_bk
     hidden = x_ref.shape[1]
@@ -265,11 +278,8 @@ def _gate_up_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig, inte
 
 
 def _down_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig):
-    if has_zero:
-        blk_expert_ref, row_slot_ref, weights_ref, act_ref, packed_ref, scale_ref, zero_ref, y_ref = refs
-    else:
-        blk_expert_ref, row_slot_ref, weights_ref, act_ref, packed_ref, scale_ref, y_ref = refs
-        zero_ref = None
+    blk_expert_ref, row_slot_ref, weights_ref, act_ref, *weight_refs, y_ref = refs
+    packed_ref, scale_ref, zero_ref = _weight_refs(weight_refs, has_zero, meta.fmt == "dense")
     num_slots = weights_ref.shape[0]
     bm, bn, bk = cfg.bm, cfg.dn_bn, cfg.dn_bk
     inter = act_ref.shape[1]
@@ -402,6 +412,11 @@ def _check(x, idx, weights, gate_up, down):
     for name, (packed, scale, zero, meta) in (("gate_up", gate_up), ("down", down)):
         if packed.shape[:2] != (e, meta.out_features):
             raise ValueError(f"{name}: packed {packed.shape} is not [E={e}, {meta.out_features}, ·]")
+        if meta.fmt == "dense":
+            if scale is not None or zero is not None or packed.shape[2] != meta.in_features:
+                raise ValueError(f"{name}: a dense weight is [E, {meta.out_features}, {meta.in_features}] with no "
+                                 f"scale or zero, got {packed.shape}")
+            continue
         if meta.fmt == "mxfp8" and zero is not None:
             raise ValueError(f"{name}: MXFP8 has no zero points")
         if meta.fmt == "int" and meta.bits not in (2, 4, 8):
@@ -462,14 +477,22 @@ def _moe_bwd(gu_meta, dn_meta, interpret, config, num_experts, res, g):
     del interpret, config
     x, idx, weights, offset, gu_arrays, dn_arrays = res
 
-    def ref(x_, w_):
-        return moe_reference.moe_experts(x_, idx, w_, (*gu_arrays, gu_meta), (*dn_arrays, dn_meta),
+    # dense (unquantized) expert weights are trainable and get their cotangent; packed ones get none
+    gu_dense, dn_dense = gu_meta.fmt == "dense", dn_meta.fmt == "dense"
+
+    def ref(x_, w_, *dense):
+        gu0 = dense[0] if gu_dense else gu_arrays[0]
+        dn0 = dense[-1] if dn_dense else dn_arrays[0]
+        return moe_reference.moe_experts(x_, idx, w_, (gu0, *gu_arrays[1:], gu_meta), (dn0, *dn_arrays[1:], dn_meta),
                                          num_experts=num_experts, offset=offset)
 
-    _, vjp = jax.vjp(ref, x, weights)
-    dx, dw = vjp(g)
+    dense = ((gu_arrays[0],) if gu_dense else ()) + ((dn_arrays[0],) if dn_dense else ())
+    _, vjp = jax.vjp(ref, x, weights, *dense)
+    dx, dw, *d_dense = vjp(g)
     none = functools.partial(jax.tree.map, lambda _: None)
-    return dx, None, dw, None, none(gu_arrays), none(dn_arrays)
+    gu_ct = (d_dense[0], None, None) if gu_dense else none(gu_arrays)
+    dn_ct = (d_dense[-1], None, None) if dn_dense else none(dn_arrays)
+    return dx, None, dw, None, gu_ct, dn_ct
 
 
 _moe.defvjp(_moe_fwd, _moe_bwd)
@@ -484,7 +507,8 @@ def moe_experts_pallas(x, idx, weights, gate_up: tuple, down: tuple, *, interpre
       x: ``[N, H]`` activations (bf16 / fp16 / fp32).
       idx, weights: ``[N, k]`` expert ids (int32) and routing weights. An id outside ``[0, E)`` drops its slot: it
         adds nothing and costs no block (expert parallelism passes the other devices' experts so).
-      gate_up: ``(packed, scale, zero, meta)`` of the stacked ``[E, 2I, H]`` weight (rows ``:I`` gate, ``I:`` up).
+      gate_up: ``(packed, scale, zero, meta)`` of the stacked ``[E, 2I, H]`` weight (rows ``:I`` gate, ``I:`` up);
+        unquantized: ``(w, None, None, dense_meta(2I, H, w.dtype))``.
       down: the same for ``[E, H, I]``.
       interpret: run the Pallas kernels in interpret mode (CPU).
       config: tile override (default :func:`moe_config`'s heuristic), e.g. ``num_stages=1`` if a Triton build
@@ -493,7 +517,8 @@ def moe_experts_pallas(x, idx, weights, gate_up: tuple, down: tuple, *, interpre
         layer has ``num_experts`` E of them starting at ``expert_offset`` (an int32 scalar, may be traced). Ids stay
         in ``[0, E)``. Reading a layer inside the stack this way avoids copying its slice out (a scan over stacked
         layers would otherwise copy every expert of the layer on every step).
-    Differentiable w.r.t. ``x`` and ``weights`` (backward through :func:`.moe_reference.moe_experts`).
+    Differentiable w.r.t. ``x``, ``weights`` and dense expert weights (backward through
+    :func:`.moe_reference.moe_experts`).
     """
     _check(x, idx, weights, gate_up, down)
     gu_arrays = tuple(gate_up[:3])
@@ -522,11 +547,14 @@ _SCHEMES = {  # name: (fmt, bits, group, symmetric, scale dtype) as the real che
     "int4_g128": ("int", 4, 128, False, "bfloat16"),  # asymmetric: exercises the zero-point path
     "int8_g32": ("int", 8, 32, True, "bfloat16"),
     "mxfp8": ("mxfp8", 8, 32, True, "uint8"),
+    "bf16": ("dense", 16, 0, True, "bfloat16"),  # the unquantized (BF16 original) model's experts
 }
 
 
 def _weight_specs(meta: QuantMeta, num_experts: int) -> tuple[jax.ShapeDtypeStruct, ...]:
     e, n = num_experts, meta.out_features
+    if meta.fmt == "dense":
+        return (jax.ShapeDtypeStruct((e, n, meta.in_features), jnp.dtype(meta.scale_dtype)),)
     if meta.fmt == "mxfp8":
         return (jax.ShapeDtypeStruct((e, n, meta.in_features), jnp.float8_e4m3fn),
                 jax.ShapeDtypeStruct((e, n, meta.num_groups), jnp.uint8))
@@ -539,7 +567,7 @@ def _weight_specs(meta: QuantMeta, num_experts: int) -> tuple[jax.ShapeDtypeStru
 
 def lowering_cases() -> list[tuple[str, Callable, tuple[jax.ShapeDtypeStruct, ...]]]:
     """``(name, fn, arg_specs)`` for the Qwen3.6-35B-A3B MoE layer (H 2048, I 512, E 256, top-8, bf16) ×
-    {int2 g64, int4 g128 asym, int8 g32, mxfp8} × {decode N = 1, 8; prefill N = 512}.
+    {int2 g64, int4 g128 asym, int8 g32, mxfp8, unquantized bf16} × {decode N = 1, 8; prefill N = 512}.
 
     ``fn(x, idx, weights, *gate_up_arrays, *down_arrays)`` calls :func:`moe_experts_pallas` (``interpret=False``)
     with the metas closed over; ``gate_up_arrays`` is ``(packed, scale[, zero])``.
@@ -547,15 +575,18 @@ def lowering_cases() -> list[tuple[str, Callable, tuple[jax.ShapeDtypeStruct, ..
     h, i, e, k = QWEN36_HIDDEN, QWEN36_INTER, QWEN36_EXPERTS, QWEN36_TOP_K
     cases = []
     for scheme, (fmt, bits, group, sym, sdt) in _SCHEMES.items():
-        gu_meta = QuantMeta(fmt, bits, group, h, 2 * i, sym, "group", sdt)
-        dn_meta = QuantMeta(fmt, bits, group, i, h, sym, "group", sdt)
+        if fmt == "dense":
+            gu_meta, dn_meta = dense_meta(2 * i, h, jnp.bfloat16), dense_meta(h, i, jnp.bfloat16)
+        else:
+            gu_meta = QuantMeta(fmt, bits, group, h, 2 * i, sym, "group", sdt)
+            dn_meta = QuantMeta(fmt, bits, group, i, h, sym, "group", sdt)
         gu_specs, dn_specs = _weight_specs(gu_meta, e), _weight_specs(dn_meta, e)
         n_gu = len(gu_specs)
 
         def fn(x, idx, weights, *arrays, _gm=gu_meta, _dm=dn_meta, _ng=n_gu):
             gu, dn = arrays[:_ng], arrays[_ng:]
-            gu = (*gu, None) if len(gu) == 2 else gu
-            dn = (*dn, None) if len(dn) == 2 else dn
+            gu = (*gu, None, None)[:3]
+            dn = (*dn, None, None)[:3]
             return moe_experts_pallas(x, idx, weights, (*gu, _gm), (*dn, _dm), interpret=False)
 
         for label, n in (("decode1", 1), ("decode8", 8), ("prefill512", 512)):

@@ -54,7 +54,8 @@ def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str |
 
 def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | None = None,
                 group=None) -> jnp.ndarray:
-    """Routed SwiGLU experts with packed ``[E, …]`` weights → ``[N, H]`` float32 (see :mod:`.moe_reference`).
+    """Routed SwiGLU experts with packed ``[E, …]`` weights → ``[N, H]`` float32 (see :mod:`.moe_reference`); an
+    unquantized stack is ``(w, None, None, dense_meta(...))``.
 
     ``group``: the arrays carry a leading layer-stack axis (``[G, E, …]``, as the model's layer scan stores them) and
     this call is layer ``group`` (an int32 scalar, may be traced). The kernels then read that layer's experts inside

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import reference
-from .reference import QuantMeta
+from .reference import QuantMeta, dense_meta
 
 __all__ = ["KernelConfig", "choose_config", "dense_meta", "lowering_cases", "matmul_pallas", "qmatmul_pallas",
            "supported"]
@@ -96,12 +96,6 @@ def _is_pow2(n: int) -> bool:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def dense_meta(n: int, k: int, dtype) -> QuantMeta:
-    """The static description :func:`matmul_pallas` gives an unquantized ``[N, K]`` weight of ``dtype``."""
-    return QuantMeta("dense", 8 * jnp.dtype(dtype).itemsize, k, k, n, strategy="channel",
-                     scale_dtype=jnp.dtype(dtype).name)
 
 
 def _group(meta: QuantMeta, num_scale_cols: int | None) -> int | None:

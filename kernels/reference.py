@@ -22,7 +22,7 @@ import jax.numpy as jnp
 class QuantMeta:
     """Static description of a packed weight (hashable: part of the module graph, not of its state)."""
 
-    fmt: str  # "int" | "mxfp8"
+    fmt: str  # "int" | "mxfp8" | "dense" (unquantized: bits = the float's width, no scales)
     bits: int  # 2, 4, 8
     group_size: int  # columns per scale (K for channel / tensor strategies)
     in_features: int  # K (the packed rows may carry padding past it)
@@ -46,6 +46,13 @@ class QuantMeta:
     @property
     def scale_shape(self) -> tuple[int, int]:
         return (1, 1) if self.strategy == "tensor" else (self.out_features, self.num_groups)
+
+
+def dense_meta(n: int, k: int, dtype) -> QuantMeta:
+    """The static description of an unquantized ``[N, K]`` weight of ``dtype`` (``fmt="dense"``: the weight array
+    itself, no scales), so that dense weights go through the same kernels as packed ones."""
+    return QuantMeta("dense", 8 * jnp.dtype(dtype).itemsize, k, k, n, strategy="channel",
+                     scale_dtype=jnp.dtype(dtype).name)
 
 
 def matmul(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
@@ -81,6 +88,8 @@ def _expand_groups(s: jnp.ndarray, group_size: int, cols: int) -> jnp.ndarray:
 def dequantize(packed, scale, zero, meta: QuantMeta, dtype=jnp.float32) -> jnp.ndarray:
     """Packed weight → dense ``[..., N, K]`` in ``dtype`` (fp32 math, one final rounding)."""
     k = meta.in_features
+    if meta.fmt == "dense":
+        return packed.astype(dtype)
     if meta.fmt == "mxfp8":
         w = packed.astype(jnp.float32) * _expand_groups(e8m0_to_float32(scale), 32, k)
         return w.astype(jnp.bfloat16).astype(dtype)
@@ -112,6 +121,6 @@ def dequantize_experts(packed, scale, zero, meta: QuantMeta, idx: jnp.ndarray | 
             packed = jax.lax.bitcast_convert_type(raw, packed.dtype)
         else:
             packed = packed[idx]
-        scale = scale[idx]
+        scale = None if scale is None else scale[idx]
         zero = None if zero is None else zero[idx]
     return dequantize(packed, scale, zero, meta, dtype)

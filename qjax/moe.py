@@ -1,6 +1,7 @@
 """Sparse MoE: softmax-then-top-k routing with unconditional renormalisation, SwiGLU experts stacked ``[E, …]``.
 
-The routed-expert computation itself lives in :mod:`qjax.kernels` (plain-JAX reference and Pallas kernels).
+The routed-expert computation itself lives in :mod:`qjax.kernels` (plain-JAX reference and Pallas kernels), for
+unquantized experts as for packed ones.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .kernels.moe_reference import routed_experts
+from .kernels import moe_experts
+from .kernels.reference import dense_meta
 from .layers import MLP, Linear, _normal, make_linear
 
 
@@ -35,13 +37,12 @@ class Experts(nnx.Module):
         self.down_proj = nnx.Param(_normal(rngs, (num_experts, hidden, inter), std, dtype))
 
     def __call__(self, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndarray, group=None) -> jnp.ndarray:
-        """``group``: the weights carry a leading layer-stack axis ``[G, E, …]`` and this is layer ``group``."""
+        """``group``: the weights carry a leading layer-stack axis ``[G, E, …]`` and this is layer ``group`` (read in
+        place by the kernels; see :func:`qjax.kernels.moe_experts`)."""
         gu, dn = self.gate_up_proj[...], self.down_proj[...]
-        if group is not None:
-            return routed_experts(x, idx, weights, lambda sel: gu[group] if sel is None else gu[group, sel],
-                                  lambda sel: dn[group] if sel is None else dn[group, sel], num_experts=gu.shape[1])
-        return routed_experts(x, idx, weights, lambda sel: gu if sel is None else gu[sel],
-                              lambda sel: dn if sel is None else dn[sel], num_experts=gu.shape[0])
+        (n_gu, h), (_, n_dn) = gu.shape[-2:], dn.shape[-2:]
+        return moe_experts(x, idx, weights, (gu, None, None, dense_meta(n_gu, h, gu.dtype)),
+                           (dn, None, None, dense_meta(h, n_dn, dn.dtype)), group=group)
 
 
 class SparseMoeBlock(nnx.Module):

@@ -41,15 +41,19 @@ def test_logits_unchanged_through_pallas_entry_points(name, tmp_path, monkeypatc
     hf = make_hf_model(tiny_text_config(initializer_range=0.05), seed=5)
     if name in RECIPES:
         folder = write_ct_checkpoint(hf, tmp_path / name, RECIPES[name])
-    else:  # unquantized: the dense projections go through kernels.matmul, read inside the layer stack
+    else:  # unquantized: the dense projections go through kernels.matmul, read inside the layer stack, and the
+        # experts through the MoE kernels as fmt="dense"
         folder = str(tmp_path / name)
         hf.save_pretrained(folder)
-        from qjax.kernels import qmatmul_pallas
+        from qjax.kernels import moe_pallas, qmatmul_pallas
 
-        in_stack = []
+        in_stack, moe_metas = [], []
         real = qmatmul_pallas.matmul_pallas
         monkeypatch.setattr(qmatmul_pallas, "matmul_pallas",
                             lambda x, w, **kw: in_stack.append(w.shape) or real(x, w, **kw))
+        real_moe = moe_pallas.moe_experts_pallas
+        monkeypatch.setattr(moe_pallas, "moe_experts_pallas", lambda x, idx, w, gu, dn, **kw: moe_metas.append(
+            (gu[3].fmt, dn[3].fmt)) or real_moe(x, idx, w, gu, dn, **kw))
     ids = np.random.default_rng(0).integers(0, 512, (2, 21)).astype(np.int32)
     logits = {}
     for impl in ("reference", "interpret"):
@@ -63,5 +67,6 @@ def test_logits_unchanged_through_pallas_entry_points(name, tmp_path, monkeypatc
     jax.clear_caches()
     if name not in RECIPES:  # every projection of the tiny model is read in place at decode (M = 2 rows)
         assert {shape[1:] for shape in in_stack} >= {(256, 64), (64, 128), (128, 64)}, in_stack
+        assert moe_metas and set(moe_metas) == {("dense", "dense")}, moe_metas
     assert np.abs(logits["interpret"] - logits["reference"]).max() <= 1e-5
     np.testing.assert_array_equal(logits["interpret_gen"], logits["reference_gen"])

@@ -30,7 +30,7 @@ import pytest
 from qjax.kernels import moe_pallas
 from qjax.kernels.moe_pallas import MoEConfig, _align, _e8m0_to_f32, lowering_cases, moe_config, moe_experts_pallas
 from qjax.kernels.moe_reference import moe_experts
-from qjax.kernels.reference import QuantMeta
+from qjax.kernels.reference import QuantMeta, dense_meta
 from qjax.quant.packing import e8m0_to_float32
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated:DeprecationWarning")
@@ -300,6 +300,77 @@ def test_single_token_per_slot_blocks(mode, monkeypatch):
         _align(jnp.zeros((2, k), jnp.int32), case.experts, bm, per_slot=True)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Unquantized experts (fmt="dense": the BF16 original model) through the same kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _dense_data(n: int, dtype, *, hidden=96, inter=40, experts=6, top_k=3, seed=0, w_dtype=None):
+    rng = np.random.default_rng(seed)
+    w_dtype = w_dtype or dtype
+    gu = jnp.asarray(rng.standard_normal((experts, 2 * inter, hidden)) / np.sqrt(hidden), w_dtype)
+    dn = jnp.asarray(rng.standard_normal((experts, hidden, inter)) / np.sqrt(inter), w_dtype)
+    x = jnp.asarray(rng.standard_normal((n, hidden)), dtype)
+    case = dataclasses.replace(CASES["odd_int4_asym_g32_g8"], hidden=hidden, inter=inter, experts=experts,
+                               top_k=top_k)
+    idx, w = _routing(n, case, "topk", dtype, rng)
+    metas = (dense_meta(2 * inter, hidden, w_dtype), dense_meta(hidden, inter, w_dtype))
+    return x, idx, w, gu, dn, metas
+
+
+@pytest.mark.parametrize("n, dtype, w_dtype", [(37, jnp.float32, None), (1, jnp.float32, None),
+                                               (37, jnp.bfloat16, None), (5, jnp.float32, jnp.bfloat16)])
+def test_dense_experts_match_reference(n, dtype, w_dtype):
+    """Unquantized expert stacks (odd H, I; bf16 weights under fp32 activations too) give the reference's result:
+    f32 within F32_TOL, bf16 within BF16_TOL (a bf16 ulp of the largest output: the kernels round act to bf16 at
+    the same points as the reference, the fp32 sums differ in order)."""
+    x, idx, w, gu, dn, (gm, dm) = _dense_data(n, dtype, w_dtype=w_dtype, seed=n)
+    f = jax.jit(lambda x, idx, w, gu, dn: (
+        moe_experts_pallas(x, idx, w, (gu, None, None, gm), (dn, None, None, dm), interpret=True),
+        moe_experts(x, idx, w, (gu, None, None, gm), (dn, None, None, dm))))
+    out, ref = f(x, idx, w, gu, dn)
+    # the reference itself against plain float64 math (bf16 weights are exact in float64)
+    xs, g64, d64 = (np.asarray(a, np.float64) for a in (x, gu, dn))
+    want = np.zeros((n, xs.shape[1]))
+    for t in range(n):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            gate, up = np.split(g64[e] @ xs[t], 2)
+            want[t] += float(w[t, j]) * (d64[e] @ (gate / (1 + np.exp(-gate)) * up))
+    if dtype == jnp.float32:  # (bf16 rounds act on the way: both the reference and the kernels, not float64)
+        assert _rel_err(ref, want) <= F32_TOL
+    assert _rel_err(out, ref) <= (F32_TOL if dtype == jnp.float32 else BF16_TOL)
+
+
+def test_dense_experts_grads():
+    """The dense weight stacks are trainable through the kernels: gradients w.r.t. x, the routing weights and both
+    weight stacks — read inside a [G, E, …] layer stack at layer 1 — equal the reference's."""
+    from qjax.kernels import moe_experts as entry
+
+    x, idx, w, gu, dn, (gm, dm) = _dense_data(7, jnp.float32, seed=9)
+    gus, dns = jnp.stack([gu * 0.5, gu, -gu]), jnp.stack([dn, dn * 2, dn])  # layer 1 is (gu, dn)
+    ct = jnp.asarray(np.random.default_rng(1).standard_normal(x.shape), jnp.float32)
+
+    def loss(impl):
+        def f(x, w, gus, dns):
+            out = entry(x, idx, w, (gus, None, None, gm), (dns, None, None, dm), impl=impl, group=jnp.int32(1))
+            return jnp.sum(out * ct)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+
+    (v_k, g_k), (v_r, g_r) = loss("interpret")(x, w, gus, dns), loss("reference")(x, w, gus, dns)
+    np.testing.assert_allclose(v_k, v_r, rtol=1e-5)
+    for a, b in zip(g_k, g_r):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(g_k[2][1]).max()) > 0 and float(jnp.abs(g_k[2][0]).max()) == 0  # only layer 1 is read
+
+
+def test_dense_experts_bad_shapes():
+    x, idx, w, gu, dn, (gm, dm) = _dense_data(3, jnp.float32)
+    with pytest.raises(ValueError, match=r"gate_up: a dense weight is \[E, 80, 96\] with no scale or zero"):
+        moe_experts_pallas(x, idx, w, (gu, jnp.ones((6, 80, 1)), None, gm), (dn, None, None, dm), interpret=True)
+
+
 def test_config_tiles():
     gm, dm = QuantMeta("int", 2, 64, 2048, 1024), QuantMeta("int", 2, 64, 512, 2048)
     dec, pre = moe_config(8, 256, 2048, 512, gm, dm), moe_config(4096, 256, 2048, 512, gm, dm)
@@ -354,13 +425,15 @@ def _lower_for_h200(fn, specs) -> str:
 
 def test_lowering_cases_cover_the_matrix():
     names = set(_LOWERING)
-    assert len(names) == 12
-    for scheme in ("int2_g64", "int4_g128", "int8_g32", "mxfp8"):
+    assert len(names) == 15
+    for scheme in ("int2_g64", "int4_g128", "int8_g32", "mxfp8", "bf16"):
         for label in ("decode1", "decode8", "prefill512"):
             assert f"moe_{scheme}_{label}" in names
     _, specs = _LOWERING["moe_int2_g64_prefill512"]
     assert specs[0].shape == (512, 2048) and specs[1].shape == (512, 8)
     assert specs[3].shape == (256, 1024, 128) and specs[5].shape == (256, 2048, 32)  # int2: 16 values per word
+    _, specs = _LOWERING["moe_bf16_decode1"]
+    assert [a.shape for a in specs[3:]] == [(256, 1024, 2048), (256, 2048, 512)] and specs[3].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("name", list(_LOWERING))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.kernels import QuantMeta, moe_experts, qmatmul, routed_experts
-from qjax.kernels.reference import dequantize_experts
+from qjax.kernels import QuantMeta, moe_experts, qmatmul
+from qjax.kernels.reference import dense_meta
 
 
 class Packed(nnx.Variable):
@@ -70,8 +70,7 @@ class QuantExperts(nnx.Module):
 
     One side may stay dense (its meta None, a plain ``nnx.Param``): auto-round and llm-compressor leave a projection
     in float when its input dimension is not a multiple of the group size (W4G128 on a model with I = 64 quantizes
-    gate/up but not down). Such a mixed layer runs the plain-JAX path (dequantize the routed experts, then matmul);
-    layers packed on both sides go through the kernel entry point.
+    gate/up but not down). Both sides go through the kernel entry point, a dense one as ``fmt="dense"``.
     """
 
     def __init__(self, num_experts: int, gate_up: QuantMeta | None, down: QuantMeta | None, *, hidden: int,
@@ -86,25 +85,16 @@ class QuantExperts(nnx.Module):
     def __call__(self, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndarray, group=None) -> jnp.ndarray:
         """``group``: the arrays carry a leading layer-stack axis ``[G, E, …]`` and this is layer ``group`` (read in
         place by the kernels; see :func:`qjax.kernels.moe_experts`)."""
-        gu, dn = self.gate_up_proj, self.down_proj
-        if isinstance(gu, PackedWeight) and isinstance(dn, PackedWeight):
-            return moe_experts(x, idx, weights, (*gu.arrays(), gu.meta), (*dn.arrays(), dn.meta), group=group)
-        return routed_experts(x, idx, weights, _expert_weights(gu, x.dtype, group),
-                              _expert_weights(dn, x.dtype, group), num_experts=weights_count(gu, group))
+        return moe_experts(x, idx, weights, _expert_operand(self.gate_up_proj), _expert_operand(self.down_proj),
+                           group=group)
 
 
-def _expert_weights(w, dtype, group=None):
-    """``sel → dense [*sel.shape, N, K]`` weights (all experts when sel is None) of a packed or dense stack."""
+def _expert_operand(w) -> tuple:
+    """``(packed, scale, zero, meta)`` for the kernels: a packed stack's arrays, or a dense stack as ``fmt="dense"``."""
     if isinstance(w, PackedWeight):
-        arrays = w.arrays() if group is None else tuple(None if a is None else a[group] for a in w.arrays())
-        return lambda sel: dequantize_experts(*arrays, w.meta, sel, dtype)
-    a = w[...] if group is None else w[...][group]
-    return lambda sel: a if sel is None else a[sel]
-
-
-def weights_count(w, group=None) -> int:
-    shape = (w.weight_packed if isinstance(w, PackedWeight) else w).shape
-    return shape[0] if group is None else shape[1]
+        return (*w.arrays(), w.meta)
+    a = w[...]
+    return (a, None, None, dense_meta(*a.shape[-2:], a.dtype))
 
 
 def fake_quant_fp8(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
