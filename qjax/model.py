@@ -366,18 +366,20 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         else:
             graphdef, state = nnx.split(self.groups)
 
-        def body(h, xs):
-            group_state, group_slots, g = xs
+        # the group index rides in the carry: as a scanned [G] array XLA sliced it with an async copy per iteration,
+        # which also splits the iteration's CUDA graph
+        def body(carry, xs):
+            h, g = carry
+            group_state, group_slots = xs
             if stacked:
                 group = nnx.merge(graphdef, whole, group_state)
                 h, new_slots, outs = group(h, ctx.replace(stack_group=g), group_slots, collect)
             else:
                 h, new_slots, outs = nnx.merge(graphdef, group_state)(h, ctx, group_slots, collect)
                 h = self.mesh_plan.batch(h)  # the residual stream: rows over data, whole on every tensor device
-            return h, (new_slots, outs)
+            return (h, g + 1), (new_slots, outs)
 
-        g = jnp.arange(self.config.num_hidden_layers // len(self.layer_kinds), dtype=jnp.int32)
-        h, (new_slots, outs) = jax.lax.scan(body, h, (state, slots, g))
+        (h, _), (new_slots, outs) = jax.lax.scan(body, (h, jnp.zeros((), jnp.int32)), (state, slots))
         if collect:
             outs = outs.reshape(-1, *outs.shape[2:])  # [G, p, B, T, H] → layer g·p + j
         return h, new_slots, outs
