@@ -365,6 +365,21 @@ def test_dense_experts_grads():
     assert float(jnp.abs(g_k[2][1]).max()) > 0 and float(jnp.abs(g_k[2][0]).max()) == 0  # only layer 1 is read
 
 
+def test_half_quantized_experts():
+    """Packed gate_up with a dense down (what auto-round / llm-compressor leave when I is not a multiple of the
+    group: W4G128 with a 40-wide intermediate here) runs the kernels with one meta each: equal to the reference."""
+    case = CASES["odd_int4_asym_g32_g8"]
+    gm, _ = case.metas()
+    x, idx, w, gu, _ = _data(case, 37, jnp.float32, seed=12)
+    dn = jnp.asarray(np.random.default_rng(13).standard_normal((case.experts, case.hidden, case.inter)) * 0.1,
+                     jnp.float32)
+    dm = dense_meta(case.hidden, case.inter, jnp.float32)
+    out, ref = jax.jit(lambda x, idx, w: (
+        moe_experts_pallas(x, idx, w, (*gu, gm), (dn, None, None, dm), interpret=True),
+        moe_experts(x, idx, w, (*gu, gm), (dn, None, None, dm))))(x, idx, w)
+    assert _rel_err(out, ref) <= F32_TOL
+
+
 def test_dense_experts_bad_shapes():
     x, idx, w, gu, dn, (gm, dm) = _dense_data(3, jnp.float32)
     with pytest.raises(ValueError, match=r"gate_up: a dense weight is \[E, 80, 96\] with no scale or zero"):
