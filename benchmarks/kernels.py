@@ -12,6 +12,8 @@ For every dense shape (N×K: 8192×2048 q_proj/in_proj_qkv, 2048×4096 o_proj/ou
   layer (``ref``) vs ``qjax.kernels.matmul`` reading it in place (``pallas``, the path the model's decode takes);
 - ``moe bf16-experts``: the unquantized MoE layer: the plain-JAX reference (``ref``) vs the MoE kernels reading
   the BF16 experts directly (``pallas``);
+- ``gdn decode step``: one token of a GDN layer's recurrence with its state inside the layer stack: XLA's fusions
+  (``ref``) vs the one-kernel step (``pallas``), B ∈ {1, 8, 64};
 - bytes moved (packed weights + scales + zero points + activations in/out) ÷ time, and that as a share of the copy
   bandwidth measured in the same run (a jitted copy of a 1 GiB array; read + write counted).
 
@@ -184,6 +186,55 @@ def moe_dense_cases(args, bw, rows):
                 (x, idx.astype(jnp.int32), w, gu, dn), moved, args, bw, rows)
 
 
+def gdn_cases(args, bw, rows, layers: int = 10):
+    """The GDN decode step of Qwen3.6-35B-A3B (16 qk / 32 value heads, Dk = Dv = 128) with its fp32 state inside a
+    ``[10, B, 32, 128, 128]`` stack, as the layer scan holds it: ``ref`` is the plain-JAX recurrence (XLA's fusions,
+    the layer sliced and updated back), ``pallas`` the one-kernel step reading and writing the layer in place. The
+    stack is donated and threaded through the calls, as the scan's carry is, so neither times a copy of the stack."""
+    if args.filter and args.filter not in "gdn decode":
+        return
+    for b in (1, 8, 64):
+        key = jax.random.key(b)
+        q, k = (jax.random.normal(jax.random.fold_in(key, i), (b, 16, 128), jnp.bfloat16) for i in range(2))
+        v = jax.random.normal(jax.random.fold_in(key, 2), (b, 32, 128), jnp.bfloat16)
+        g = -jax.random.uniform(jax.random.fold_in(key, 3), (b, 32), jnp.float32)
+        beta = jax.random.uniform(jax.random.fold_in(key, 4), (b, 32), jnp.float32).astype(jnp.bfloat16)
+        layer = jnp.int32(layers // 2)
+
+        def make(impl):
+            return jax.jit(lambda s, q, k, v, g, beta, layer: ops.gated_delta_step(q, k, v, g, beta, s, impl=impl,
+                                                                                  layer=layer), donate_argnums=0)
+
+        def per_call(step, n=20):
+            s = jax.random.normal(jax.random.key(0), (layers, b, 32, 128, 128), jnp.float32)
+            o, s = step(s, q, k, v, g, beta, layer)  # warm-up (compiles)
+            times = []
+            for _ in range(max(3, args.repeats // 4)):
+                jax.block_until_ready(s)
+                t = time.perf_counter()
+                for _ in range(n):
+                    o, s = step(s, q, k, v, g, beta, layer)
+                jax.block_until_ready((o, s))
+                times.append((time.perf_counter() - t) / n)
+            return statistics.median(times), o
+
+        ref, pal = make("reference"), make(args.impl)
+        row = dict(case="gdn decode step (in stack)", m=b)
+        row["ref"], o_ref = per_call(ref)
+        moved = 2 * b * 32 * 128 * 128 * 4 + 2 * (q.nbytes + k.nbytes + v.nbytes)  # this layer's state read + write
+        if args.impl != "reference":
+            row["pallas"], o_pal = per_call(pal)
+            if args.check:  # same state and inputs on both sides: one call each from a fresh stack
+                s0 = jax.random.normal(jax.random.key(1), (layers, b, 32, 128, 128), jnp.float32)
+                a = np.asarray(pal(s0.copy(), q, k, v, g, beta, layer)[0], np.float32)
+                c = np.asarray(ref(s0.copy(), q, k, v, g, beta, layer)[0], np.float32)
+                row["err"] = float(np.abs(a - c).max() / max(np.abs(c).max(), 1e-30))
+            row["bw"] = moved / row["pallas"] / bw
+        row["ref_bw"] = moved / row["ref"] / bw
+        rows.append(row)
+        print(fmt_row(row), flush=True)
+
+
 HEADER = (f"{'case':<28} {'M':>4} {'ref µs':>9} {'pallas µs':>10} {'bf16 µs':>9} {'pallas/ref':>10} "
           f"{'%copyBW':>8} {'max rel err':>12}")
 
@@ -205,6 +256,7 @@ def main(argv=None) -> int:
                    help="default: pallas on GPU, reference elsewhere")
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--skip-dense", action="store_true")
+    p.add_argument("--skip-gdn", action="store_true")
     args = p.parse_args(argv)
     if args.impl is None:
         args.impl = "pallas" if jax.default_backend() == "gpu" else "reference"
@@ -219,6 +271,8 @@ def main(argv=None) -> int:
     if not args.skip_moe:
         moe_cases(args, bw, rows)
         moe_dense_cases(args, bw, rows)
+    if not args.skip_gdn:
+        gdn_cases(args, bw, rows)
     bad = [r for r in rows if r.get("err", 0) > 2e-2]
     if bad:
         print(f"CHECK FAILED for {len(bad)} cases: " + ", ".join(f"{r['case']} M={r['m']}" for r in bad))

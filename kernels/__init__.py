@@ -5,13 +5,14 @@ a Pallas (Triton) kernel with the same signature:
 - :func:`qmatmul`: dense ``x @ dequant(W)ᵀ``;
 - :func:`matmul`: ``x @ Wᵀ`` for an unquantized weight, read in place inside a layer stack;
 - :func:`moe_experts`: routed SwiGLU experts with packed (or dense) ``[E, …]`` weights and the routing-weight
-  combine.
+  combine;
+- :func:`gated_delta_step`: one decode token of the Gated DeltaNet recurrence.
 """
 
 from .dispatch import IMPLS, resolve, use
 from .moe_reference import routed_experts
-from .ops import matmul, moe_experts, qmatmul
+from .ops import gated_delta_step, matmul, moe_experts, qmatmul
 from .reference import QuantMeta, dense_meta, dequantize, dequantize_experts, unpack_int
 
-__all__ = ["IMPLS", "QuantMeta", "dense_meta", "dequantize", "dequantize_experts", "matmul", "moe_experts", "qmatmul",
-           "resolve", "routed_experts", "unpack_int", "use"]
+__all__ = ["IMPLS", "QuantMeta", "dense_meta", "dequantize", "dequantize_experts", "gated_delta_step", "matmul",
+           "moe_experts", "qmatmul", "resolve", "routed_experts", "unpack_int", "use"]

@@ -61,7 +61,8 @@ import jax.experimental.pallas.triton as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-KERNEL_MODULES = ("qjax.kernels.qmatmul_pallas", "qjax.kernels.moe_pallas", "qjax.bench")
+KERNEL_MODULES = ("qjax.kernels.qmatmul_pallas", "qjax.kernels.moe_pallas", "qjax.kernels.gdn_pallas",
+                  "qjax.bench")
 TARGET_CONFIG = Path(__file__).with_name("h200.txtpb")
 PLUGIN_SO = "jax_plugins/xla_cuda13/xla_cuda_plugin.so"  # inside the jax-cuda13-pjrt wheel
 _SMEM_ERROR = re.compile(r"RESOURCE_EXHAUSTED.*[Ss]hared memory", re.DOTALL)

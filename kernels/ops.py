@@ -78,3 +78,21 @@ def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | Non
 
     return moe_experts_pallas(x, idx, weights, gate_up, down, interpret=which == "interpret",
                               num_experts=num_experts, expert_offset=offset)
+
+
+def gated_delta_step(q, k, v, g, beta, state, *, impl: str | None = None, layer=None):
+    """One decode token of the gated delta rule: ``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``g, beta [B, Hv]``, ``state
+    [B, Hv, Dk, Dv]`` fp32 → ``(o [B, Hv, Dv]`` in q's dtype, new state fp32); see :mod:`.gdn_pallas`.
+
+    ``layer``: ``state`` is the ``[L, B, …]`` stack of the layer scan and this is layer ``layer``; the whole stack
+    comes back with that layer's state replaced (the kernel writes it in place). With the Pallas kernels (and
+    power-of-two head dims) one kernel does the l2-norms, the decay, the delta update and the readout; otherwise the
+    reference (:func:`qjax.gdn.recurrent_gated_delta_rule` for one token).
+    """
+    from . import gdn_pallas
+
+    which = resolve(impl)
+    if which in ("pallas", "interpret") and gdn_pallas.supported(q.shape, v.shape):
+        return gdn_pallas.gated_delta_step_pallas(q, k, v, g, beta, state, layer=layer,
+                                                  interpret=which == "interpret")
+    return gdn_pallas.gated_delta_step_reference(q, k, v, g, beta, state, layer=layer)

@@ -20,6 +20,7 @@ from flax import nnx, struct
 from . import gdn
 from .cache import Cache, GDNState, KVState
 from .config import FULL, LINEAR, TextConfig
+from .kernels import gated_delta_step
 from .layers import GatedRMSNorm, Linear, RMSNorm, _normal, make_linear
 from .moe import Experts, SparseMoeBlock
 from .quant.layers import Packed, QuantExperts, QuantLinear, fake_quant_fp8, quantize_fp8
@@ -186,9 +187,19 @@ class GatedDeltaNet(nnx.Module):
             keep = ctx.token_mask[..., None]
             beta = jnp.where(keep, beta, 0)
             g = jnp.where(keep, g, 0.0)
+        # in the layer scan (``layer`` set) a cached recurrent state is the whole [G, B, Hv, Dk, Dv] stack
+        stack = layer if state is not None else None
         init = state.recurrent if state is not None else None
-        rule = gdn.recurrent_gated_delta_rule if t == 1 else gdn.chunk_gated_delta_rule
-        o, s = rule(q, k, v, g, beta, init)
+        if t == 1:  # decode: one kernel in the layer scan (on a mesh, where heads are sharded, the reference)
+            if init is None:
+                init = jnp.zeros((b, self.num_v_heads, self.head_k_dim, self.head_v_dim), jnp.float32)
+            o, s = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], init, layer=stack,
+                                    impl=None if layer is not None else "reference")
+            o = o[:, None]
+        else:
+            o, s = gdn.chunk_gated_delta_rule(q, k, v, g, beta, init if stack is None else init[stack])
+            if stack is not None:
+                s = jax.lax.dynamic_update_index_in_dim(init, s, stack, 0)
         o = self.norm(o.astype(x.dtype), z)
         out = self.out_proj(o.reshape(b, t, self.value_dim), layer)
         new_state = GDNState(conv=new_window.astype(state.conv.dtype), recurrent=s) if state is not None else None
@@ -366,20 +377,35 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         else:
             graphdef, state = nnx.split(self.groups)
 
-        # the group index rides in the carry: as a scanned [G] array XLA sliced it with an async copy per iteration,
-        # which also splits the iteration's CUDA graph
+        # The GDN recurrent states ([G, B, Hv, Dk, Dv] fp32, 63 MB per layer position at batch 1 of the real model)
+        # ride in the carry as whole stacks when the layers are stacked: each GDN layer reads and writes its state
+        # inside the stack (the decode kernel in place), where scanning them would slice a copy into the kernel and
+        # update-slice the result back out. The group index rides in the carry too: as a scanned [G] array XLA sliced
+        # it with an async copy per iteration, which also split the iteration's CUDA graph.
+        carry_rec = stacked and slots is not None
+        recs = tuple(st.recurrent if carry_rec and isinstance(st, GDNState) else None for st in (slots or ()))
+        if carry_rec:
+            slots = tuple(st.replace(recurrent=None) if isinstance(st, GDNState) else st for st in slots)
+
         def body(carry, xs):
-            h, g = carry
+            h, g, recs = carry
             group_state, group_slots = xs
+            if carry_rec:
+                group_slots = tuple(st if r is None else st.replace(recurrent=r) for st, r in zip(group_slots, recs))
             if stacked:
                 group = nnx.merge(graphdef, whole, group_state)
                 h, new_slots, outs = group(h, ctx.replace(stack_group=g), group_slots, collect)
             else:
                 h, new_slots, outs = nnx.merge(graphdef, group_state)(h, ctx, group_slots, collect)
                 h = self.mesh_plan.batch(h)  # the residual stream: rows over data, whole on every tensor device
-            return (h, g + 1), (new_slots, outs)
+            if carry_rec:
+                recs = tuple(None if r is None else st.recurrent for st, r in zip(new_slots, recs))
+                new_slots = tuple(st if r is None else st.replace(recurrent=None) for st, r in zip(new_slots, recs))
+            return (h, g + 1, recs), (new_slots, outs)
 
-        (h, _), (new_slots, outs) = jax.lax.scan(body, (h, jnp.zeros((), jnp.int32)), (state, slots))
+        (h, _, recs), (new_slots, outs) = jax.lax.scan(body, (h, jnp.zeros((), jnp.int32), recs), (state, slots))
+        if carry_rec:
+            new_slots = tuple(st if r is None else st.replace(recurrent=r) for st, r in zip(new_slots, recs))
         if collect:
             outs = outs.reshape(-1, *outs.shape[2:])  # [G, p, B, T, H] → layer g·p + j
         return h, new_slots, outs
