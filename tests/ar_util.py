@@ -100,7 +100,12 @@ def autoround_export_here(source: str, out: str, sym: bool, layer_config: dict |
     """auto-round's own ``--format auto_round`` RTN export of ``source`` (iters=0, no optimized RTN, no calibration
     data; the model-free route would spawn worker processes); returns the folder it wrote."""
     import auto_round
+    from auto_round.utils import device as ar_device
 
+    # auto-round keeps bf16 (amp) only where the CPU has bf16 instructions (AVX512-BF16 / AMX); elsewhere it turns
+    # amp off and writes its unquantized tensors in F32 and "amp": false. Pin the bf16 path (torch emulates bf16 on
+    # any CPU) so the reference export is the same on every host
+    ar_device.CpuInfo.bf16 = property(lambda self: True)
     ar = auto_round.AutoRound(source, scheme="W4A16", group_size=32, sym=sym, iters=0, disable_opt_rtn=True,
                               layer_config=layer_config or None, disable_model_free=True)
     ar.quantize_and_save(out, format="auto_round")

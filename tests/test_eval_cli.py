@@ -202,7 +202,9 @@ def test_compare_tiny_checkpoint_against_transformers(env, tiny_hf):
     assert [r["kind"] for r in got["rows"][1:5]] == ["linear_attention"] * 3 + ["full_attention"]
     assert got["tokens"] == 80 and got["qjax_dtype"] == "float32"
     for r in got["rows"]:
-        assert r["max_abs"] < 1e-4 and r["max_rel"] < 1e-4, r
+        # 2e-4 absolute as tests/test_model.py explains (two fp32 implementations; 1.6e-4 on the final norm, whose
+        # values reach ~5, on an AMD EPYC host), 1e-4 relative
+        assert r["max_abs"] < 2e-4 and r["max_rel"] < 1e-4, r
         assert 0 <= r["mean_abs"] <= r["max_abs"]
     assert got["first_diverging_block"] is None and got["top1_agreement"] == 1.0
 

@@ -28,7 +28,7 @@ def test_round_trip_through_transformers(official_dir, tmp_path):
     hf = Qwen3_5MoeForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         theirs = hf(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
-    assert np.abs(theirs - want).max() <= 1e-4
+    assert np.abs(theirs - want).max() <= 2e-4  # two fp32 implementations: see tests/test_model.py
 
 
 def test_fused_bf16_layout(tiny_hf, tmp_path):
