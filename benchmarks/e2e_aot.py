@@ -41,26 +41,27 @@ NOTES = """- History of this table: at commit de5439f the scan sliced every stac
   computations — the GDN states, sliced inside the fusions that read them (read in place, not copied) — and so
   reported 189 MB per step for w2w4 / w8a16 where nothing large is copied. What is left (a few KB per step) is
   small vectors.
-- At batch 64 (`--batch 64`, mxfp8-experts) nothing large is copied either; XLA temp is 9.1 GB there, the new
-  GDN-state and KV stacks the scan writes (64 × 63 MB of state).
+- At batch 64 (`--batch 64`, mxfp8-experts) nothing large is copied either; XLA temp is 5.1 GB there (9.1 GB
+  before the GDN states were carried and updated in place): the new KV and conv-window stacks the scan writes.
 - Launches per step (columns added 2026-12-01): at batch 1 the w2w4 step's 2,211 MB take ~0.5 ms at the
   H200's ~4.3 TB/s (KERNELS.md: measured copy, not verified here) and the 1,000 tok/s target leaves 1 ms, while a
   CUDA graph still pays a fixed cost per kernel (launch and ramp, of the order of a microsecond; not measured here):
-  ~1,400 launches can cost as much as the bytes (KERNELS.md: "batch 1 is latency-bound"). This session cut them:
-  w2w4 1,745 → 1,374 — the MoE kernels take one token's k slots as k blocks directly (no alignment kernels: −280),
-  the 1-row `shared_expert_gate` goes to XLA's fused dot instead of a pad copy + the dense kernel (−80), the
-  layer scan carries its group index instead of slicing an index array (−11: one async copy per iteration, which
-  also split the iteration's CUDA graph); bf16 3,145 → 1,534 — its unquantized experts now run the MoE kernels
-  (`fmt="dense"`) instead of the plain-JAX per-slot loop (8 iterations × 4 kernels per layer).
-- What one w2w4 layer still launches (thunk dump): a GDN layer 30 — residual add and two RMSNorms 5 (XLA does not
-  fuse the norm's reduction with its scaling), five projection GEMVs, 7 XLA kernels of the GDN step (conv + SiLU,
-  l2-norm, decay, three state contractions, gated norm), router 5 (GEMV, softmax, copy + sort for top-k, weight
-  cast), shared expert 4, MoE 3; a full-attention layer about 31; per group of 4 layers, 7 writes of the new GDN /
-  KV state into the cache stacks. Next candidates: one Pallas kernel for the GDN decode step (7 → ~3, the state
-  read once instead of three times), the RMSNorm folded into the next GEMV's prologue (−2 per norm), top-k inside
-  the MoE kernels (−4 per layer). Three async slice copies per iteration remain (the gated norm's [G, 128] weight,
-  which XLA feeds to a Triton normalization fusion as a copy); they keep the scan body in three CUDA graphs even
-  with `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`.
+  ~1,300 launches can cost as much as the bytes (KERNELS.md: "batch 1 is latency-bound"). Changes of 2026-12-01,
+  w2w4 1,745 → 1,308: the MoE kernels take one token's k slots as k blocks directly (no alignment kernels: −280);
+  the 1-row `shared_expert_gate` goes to XLA's fused dot instead of a pad copy + the dense kernel (−80); the layer
+  scan carries its group index instead of slicing an index array (−11: one async copy per iteration, which also
+  split the iteration's CUDA graph); one Pallas kernel does a GDN layer's decode recurrence (l2-norms, decay, delta
+  update, readout) on its fp32 state read and written inside the [G, …] state stack, which the scan now carries
+  (−66; XLA temp 151 → 92 MB, and 9.1 → 5.1 GB at batch 64). bf16 3,145 → 1,468: its unquantized experts run the
+  MoE kernels (`fmt="dense"`) instead of the plain-JAX per-slot loop (8 iterations × 4 kernels per layer).
+- What one w2w4 GDN layer still launches (thunk dump), about 28: residual add and two RMSNorms 5 (XLA does not fuse
+  the norm's reduction with its scaling), five projection GEMVs, conv + SiLU, decay/β, the recurrence kernel, gated
+  norm, router 5 (GEMV, softmax, copy + sort for top-k, weight cast), shared expert 4, MoE 3; a full-attention
+  layer about 31; per group of 4 layers, the conv-window and KV writes into the cache stacks. Next candidates: the
+  RMSNorm folded into the next GEMV's prologue (−2 per norm), top-k inside the MoE kernels (−4 per layer). Three
+  async slice copies per iteration remain (the gated norm's [G, 128] weight, which XLA feeds to a Triton
+  normalization fusion as a copy); they keep the scan body in several CUDA graphs even with
+  `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`.
 - The copied-bytes count is parsed from the optimised HLO (dynamic slices of [G, …] operands in the computations
   that launch kernels, not inside fused computations) and is a compile-time estimate: XLA may overlap the copies
   with compute, but every byte is still read and written once per step.
