@@ -90,6 +90,12 @@ def measure(row: dict, ref, pal, call: tuple, moved: int, args, bw: float, rows:
             a, b = np.asarray(pal(*call), np.float32), np.asarray(ref(*call), np.float32)
             row["err"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
         row["pallas"] = timeit(pal, *call, repeats=args.repeats)
+    record(row, moved, bw, rows)
+
+
+def record(row: dict, moved: int, bw: float, rows: list) -> None:
+    """Bandwidth shares of the timed row (``moved`` bytes), then append and print it."""
+    if "pallas" in row:
         row["bw"] = moved / row["pallas"] / bw
     row["ref_bw"] = moved / row["ref"] / bw
     rows.append(row)
@@ -216,23 +222,20 @@ def gdn_cases(args, bw, rows, layers: int = 10):
                     o, s = step(s, q, k, v, g, beta, layer)
                 jax.block_until_ready((o, s))
                 times.append((time.perf_counter() - t) / n)
-            return statistics.median(times), o
+            return statistics.median(times)
 
         ref, pal = make("reference"), make(args.impl)
         row = dict(case="gdn decode step (in stack)", m=b)
-        row["ref"], o_ref = per_call(ref)
+        row["ref"] = per_call(ref)
         moved = 2 * b * 32 * 128 * 128 * 4 + 2 * (q.nbytes + k.nbytes + v.nbytes)  # this layer's state read + write
         if args.impl != "reference":
-            row["pallas"], o_pal = per_call(pal)
+            row["pallas"] = per_call(pal)
             if args.check:  # same state and inputs on both sides: one call each from a fresh stack
                 s0 = jax.random.normal(jax.random.key(1), (layers, b, 32, 128, 128), jnp.float32)
                 a = np.asarray(pal(s0.copy(), q, k, v, g, beta, layer)[0], np.float32)
                 c = np.asarray(ref(s0.copy(), q, k, v, g, beta, layer)[0], np.float32)
                 row["err"] = float(np.abs(a - c).max() / max(np.abs(c).max(), 1e-30))
-            row["bw"] = moved / row["pallas"] / bw
-        row["ref_bw"] = moved / row["ref"] / bw
-        rows.append(row)
-        print(fmt_row(row), flush=True)
+        record(row, moved, bw, rows)
 
 
 HEADER = (f"{'case':<28} {'M':>4} {'ref µs':>9} {'pallas µs':>10} {'bf16 µs':>9} {'pallas/ref':>10} "

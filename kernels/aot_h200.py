@@ -254,9 +254,14 @@ def _kib(b: int) -> str:
     return f"{b / 1024:.0f}KiB" if b >= 1024 else f"{b}B"
 
 
+def _thunk_sequences(dump: Path) -> list[Path]:
+    """The thunk sequences XLA dumped, one per module: the one after its thunk passes where a pass ran (command
+    buffers), else the plain one."""
+    return sorted(dump.glob("*thunk_sequence_after_thunk_passes.txt")) or sorted(dump.glob("*thunk_sequence.txt"))
+
+
 def _smem_from_dump(dump: Path) -> str:
-    files = sorted(dump.glob("*thunk_sequence_after_thunk_passes.txt")) or sorted(dump.glob("*thunk_sequence*"))
-    kernels = [(int(s), n) for f in files for n, s in _THUNK.findall(f.read_text())]
+    kernels = [(int(s), n) for f in _thunk_sequences(dump) for n, s in _THUNK.findall(f.read_text())]
     if not kernels:
         return "smem=?"
     smem, name = max(kernels)
@@ -350,14 +355,13 @@ def dump_launches(dump: str | Path) -> dict[str, int]:
     """:func:`loop_launches` of the one module dumped into ``dump``."""
     dump = Path(dump)
 
-    def one(pattern):
-        files = sorted(dump.glob(pattern))
+    def one(what, files):
         if len(files) != 1:
-            raise ValueError(f"{dump}: want one {pattern}, found {len(files)}")
+            raise ValueError(f"{dump}: want one {what}, found {len(files)}")
         return files[0].read_text()
-    # XLA writes the sequence after its thunk passes only when a pass ran (command buffers): else the one sequence
-    seq = "*thunk_sequence_after_thunk_passes.txt" if any(dump.glob("*after_thunk_passes.txt")) else "*thunk_sequence.txt"
-    return loop_launches(one(seq), one("*thunk_metadata.txt"), one("*gpu_after_optimizations.txt"))
+    return loop_launches(one("thunk sequence", _thunk_sequences(dump)),
+                         one("thunk metadata", sorted(dump.glob("*thunk_metadata.txt"))),
+                         one("optimised HLO", sorted(dump.glob("*gpu_after_optimizations.txt"))))
 
 
 def compile_case(case: Case, target: Target) -> tuple[float, str]:

@@ -8,13 +8,12 @@ upcast to fp32 inside both, so the output differs by at most one bf16 rounding o
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from h200_util import TRITON_TARGET, lower_for_h200
 from qjax.kernels import gated_delta_step
 from qjax.kernels import gdn_pallas
 from qjax.kernels.gdn_pallas import gated_delta_step_pallas, gated_delta_step_reference, lowering_cases
@@ -102,12 +101,5 @@ def test_unsupported_shapes():
 
 @pytest.mark.parametrize("name, fn, specs", [pytest.param(*c, id=c[0]) for c in lowering_cases()])
 def test_lowers_for_h200(name, fn, specs):
-    if not all(hasattr(jax.sharding, a) for a in ("AbstractDevice", "AbstractMesh", "use_abstract_mesh")):
-        pytest.skip("this jax has no abstract-device lowering")
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-        text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    target = getattr(gdn_pallas.plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
-    assert text.count(target) == 1 and "mosaic_gpu" not in text
+    text = lower_for_h200(fn, specs)
+    assert text.count(TRITON_TARGET) == 1 and "mosaic_gpu" not in text

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from h200_util import TRITON_TARGET, lower_for_h200
 from qjax.kernels import moe_pallas
 from qjax.kernels.moe_pallas import MoEConfig, _align, _e8m0_to_f32, lowering_cases, moe_config, moe_experts_pallas
 from qjax.kernels.moe_reference import moe_experts
@@ -401,7 +401,6 @@ def test_config_tiles():
 # GPU lowering, Level A (abstract H200, Triton custom call in the StableHLO)
 # ----------------------------------------------------------------------------------------------------------------
 
-_TRITON_TARGET = getattr(moe_pallas.plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 
 
 def _odd_lowering_cases():
@@ -428,16 +427,6 @@ def _odd_lowering_cases():
 _LOWERING = {name: (fn, specs) for name, fn, specs in lowering_cases()}
 
 
-def _lower_for_h200(fn, specs) -> str:
-    if not all(hasattr(jax.sharding, a) for a in ("AbstractDevice", "AbstractMesh", "use_abstract_mesh")):
-        pytest.skip("this jax has no abstract-device lowering")
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-
-
 def test_lowering_cases_cover_the_matrix():
     names = set(_LOWERING)
     assert len(names) == 15
@@ -454,14 +443,14 @@ def test_lowering_cases_cover_the_matrix():
 @pytest.mark.parametrize("name", list(_LOWERING))
 def test_lowers_for_h200(name):
     fn, specs = _LOWERING[name]
-    text = _lower_for_h200(fn, specs)
-    assert text.count(_TRITON_TARGET) == 2  # gate_up and down kernels
+    text = lower_for_h200(fn, specs)
+    assert text.count(TRITON_TARGET) == 2  # gate_up and down kernels
     assert "mosaic_gpu" not in text
 
 
 @pytest.mark.parametrize("name, fn, specs", [pytest.param(*c, id=c[0]) for c in _odd_lowering_cases()])
-def test_odd_shapes_lower_for_h200(name, fn, specs):
-    assert _lower_for_h200(fn, specs).count(_TRITON_TARGET) == 2
+def test_odd_shapeslower_for_h200(name, fn, specs):
+    assert lower_for_h200(fn, specs).count(TRITON_TARGET) == 2
 
 
 @pytest.mark.parametrize("n", [37, 3])
