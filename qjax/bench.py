@@ -392,10 +392,11 @@ def _concat_rows(parts, batch: int):
 
     logits = jnp.concatenate([lg for lg, _ in parts])[:batch]
     caches = [c for _, c in parts]
-    # cache slot leaves are [groups, B, …]; key_valid and positions are [B, …]; the write index is shared
+    # cache slot leaves are [groups, B, …]; key_valid, positions and lengths are [B, …]
     slots = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=1)[:, :batch], *[c.slots for c in caches])
     return logits, Cache(slots=slots, key_valid=jnp.concatenate([c.key_valid for c in caches])[:batch],
-                         positions=jnp.concatenate([c.positions for c in caches])[:batch], index=caches[0].index)
+                         positions=jnp.concatenate([c.positions for c in caches])[:batch],
+                         lengths=jnp.concatenate([c.lengths for c in caches])[:batch])
 
 
 def _row(kind: str, batch: int, tokens: int, work: int, res: dict, *, flops: float | None = None) -> dict:

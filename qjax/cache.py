@@ -1,12 +1,19 @@
 """Generation cache: pre-allocated K/V for full-attention layers, conv window + fp32 delta-rule state for GDN layers.
 
 Layers are stored the way the model scans them: one entry per position in the repeating layer group, each with a
-leading ``groups`` axis. All rows of a batch share one write index (prompts are left-padded so they end together);
+leading ``groups`` axis. Every row keeps its own length (the next slot it writes), so rows may sit at different
+positions: left-padded batches (``qjax.generate``: every row ends at the same slot, pads hold no valid key) and the
+serving engine's slot pool (each row one sequence, prefilled in right-padded chunks) use the same cache.
 ``key_valid`` remembers which slots hold real tokens and ``positions`` the next RoPE position of each row.
+
+The model addresses the cache by (layer group, row, slot): a forward may read and write any subset of rows in
+place (``rows``; out-of-range entries are padding, read clamped and never written), which is how the engine decodes
+its running sequences and prefills new ones inside one pool. The helpers below are the only code that indexes it.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -21,8 +28,8 @@ class GDNState:
 
 @struct.dataclass
 class KVState:
-    k: jnp.ndarray  # [G, B, S, Hkv, D] keys after k_norm and RoPE
-    v: jnp.ndarray  # [G, B, S, Hkv, D]
+    k: jnp.ndarray  # [G, B, Hkv, S, D] keys after k_norm and RoPE (heads before slots: attention's matmul layout)
+    v: jnp.ndarray  # [G, B, Hkv, S, D]
 
 
 @struct.dataclass
@@ -30,7 +37,7 @@ class Cache:
     slots: tuple  # one GDNState or KVState per position of the layer period
     key_valid: jnp.ndarray  # [B, S] bool: slot s holds a real (non-pad) token
     positions: jnp.ndarray  # [B] int32: RoPE position of the next real token of each row
-    index: jnp.ndarray  # [] int32: next slot to write (shared by all rows)
+    lengths: jnp.ndarray  # [B] int32: slots used by each row; its next token is written at slot lengths[b]
 
     @property
     def max_len(self) -> int:
@@ -49,7 +56,7 @@ class Cache:
         slots = []
         for kind in layer_kinds:
             if kind == FULL:
-                shape = (g, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+                shape = (g, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
                 slots.append(KVState(k=jnp.zeros(shape, kv_dtype), v=jnp.zeros(shape, kv_dtype)))
             else:
                 conv = jnp.zeros((g, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype)
@@ -57,8 +64,53 @@ class Cache:
                                  cfg.linear_value_head_dim), jnp.float32)
                 slots.append(GDNState(conv=conv, recurrent=rec))
         return cls(slots=tuple(slots), key_valid=jnp.zeros((batch, max_len), bool),
-                   positions=jnp.zeros((batch,), jnp.int32), index=jnp.zeros((), jnp.int32))
+                   positions=jnp.zeros((batch,), jnp.int32), lengths=jnp.zeros((batch,), jnp.int32))
 
     def nbytes(self) -> int:
-        import jax
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+    def reset_rows(self, rows: jnp.ndarray) -> "Cache":
+        """The cache with rows ``rows [n]`` emptied (no valid key, length and position 0, zero GDN states): a new
+        sequence starts there. Out-of-range entries are ignored. K/V slots are not cleared: ``key_valid`` hides them."""
+        slots = tuple(s if isinstance(s, KVState) else GDNState(conv=s.conv.at[:, rows].set(0, mode="drop"),
+                                                                 recurrent=s.recurrent.at[:, rows].set(0, mode="drop"))
+                      for s in self.slots)
+        return Cache(slots=slots, key_valid=self.key_valid.at[rows].set(False, mode="drop"),
+                     positions=self.positions.at[rows].set(0, mode="drop"),
+                     lengths=self.lengths.at[rows].set(0, mode="drop"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# row-addressed access (the model's layers read and write their cache entries only through these)
+# ---------------------------------------------------------------------------------------------------------------------
+def gather_rows(x: jnp.ndarray, rows: jnp.ndarray | None) -> jnp.ndarray:
+    """``x [B, …]`` at ``rows [b]`` (None: all rows in order); out-of-range rows read the last row (padding)."""
+    return x if rows is None else x.at[rows].get(mode="clip")
+
+
+def scatter_rows(x: jnp.ndarray, rows: jnp.ndarray | None, value: jnp.ndarray) -> jnp.ndarray:
+    """``x [B, …]`` with ``value [b, …]`` written at ``rows`` (None: all rows); out-of-range rows are dropped."""
+    return value if rows is None else x.at[rows].set(value, mode="drop")
+
+
+def read_layer(stack: jnp.ndarray, group, rows: jnp.ndarray | None) -> jnp.ndarray:
+    """Layer ``group`` of a ``[G, B, …]`` cache stack at ``rows`` → ``[b, …]``."""
+    return gather_rows(jax.lax.dynamic_index_in_dim(stack, group, 0, keepdims=False), rows)
+
+
+def write_layer(stack: jnp.ndarray, group, rows: jnp.ndarray | None, value: jnp.ndarray) -> jnp.ndarray:
+    """``stack [G, B, …]`` with layer ``group``'s ``rows`` replaced by ``value [b, …]`` (in place under jit)."""
+    value = value.astype(stack.dtype)
+    if rows is None:
+        return jax.lax.dynamic_update_index_in_dim(stack, value, group, 0)
+    return stack.at[group, rows].set(value, mode="drop")
+
+
+def write_tokens(stack: jnp.ndarray, group, rows: jnp.ndarray | None, slots: jnp.ndarray,
+                 value: jnp.ndarray) -> jnp.ndarray:
+    """A K/V stack ``[G, B, H, S, D]`` with ``value [b, T, H, D]`` written at layer ``group``, row ``rows[i]``, slot
+    ``slots[i, t]``; slots ≥ S (padding tokens) and out-of-range rows are dropped."""
+    b, t = slots.shape
+    r = jnp.broadcast_to((jnp.arange(b, dtype=jnp.int32) if rows is None else rows)[:, None], (b, t))
+    # advanced indices split by a slice put their [b, T] dims first: the update is [b, T, H, D]
+    return stack.at[group, r, :, slots].set(value.astype(stack.dtype), mode="drop")

@@ -21,6 +21,7 @@ from flax import nnx
 
 from .cache import Cache
 from .kernels import use as use_kernels
+from .sampling import SamplingArrays, filter_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,25 +67,15 @@ class GenerationConfig:
 # ---------------------------------------------------------------------------------------------------------------------
 def process_logits(logits: jnp.ndarray, *, temperature: float, top_k: int, top_p: float) -> jnp.ndarray:
     """Temperature → top-k → top-p, as transformers' warpers do; removed entries become -inf. ``logits [B, V]``."""
-    logits = logits.astype(jnp.float32)
-    if temperature != 1.0:
-        logits = logits / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
-        order = jnp.argsort(logits, axis=-1)  # ascending, like transformers
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        remove = (cum <= 1.0 - top_p).at[..., -1].set(False)  # always keep the most likely token
-        remove = jnp.zeros_like(remove).at[jnp.arange(logits.shape[0])[:, None], order].set(remove)
-        logits = jnp.where(remove, -jnp.inf, logits)
-    return logits
+    return filter_logits(logits, SamplingArrays.make(np.ones(logits.shape[0], bool), temperature, top_k, top_p))
 
 
 def next_token(logits: jnp.ndarray, key: jax.Array, *, do_sample: bool, temperature: float, top_k: int,
                top_p: float) -> jnp.ndarray:
-    """``logits [B, V]`` → ``[B]`` int32: argmax (first index on ties, like torch) or a seeded sample."""
+    """``logits [B, V]`` → ``[B]`` int32: argmax (first index on ties, like torch) or a seeded sample.
+
+    One key draws for the whole batch (``[B, V]`` noise); a batch of one draws exactly as the serving engine draws
+    for that row with the same key (:func:`qjax.sampling.sample`)."""
     if not do_sample:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -126,8 +117,9 @@ def extend(model, cache: Cache, input_ids, attention_mask=None) -> tuple[jnp.nda
     """
     ids = jnp.asarray(input_ids, jnp.int32)
     mask = jnp.ones(ids.shape, jnp.int32) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
-    if int(cache.index) + ids.shape[1] > cache.max_len:
-        raise ValueError(f"cache holds {cache.max_len} positions; {int(cache.index)} used, {ids.shape[1]} more asked")
+    used = int(jnp.max(cache.lengths))
+    if used + ids.shape[1] > cache.max_len:
+        raise ValueError(f"cache holds {cache.max_len} positions; {used} used, {ids.shape[1]} more asked")
     graphdef, state = nnx.split(model)
     return _extend(graphdef, state, cache, ids, mask)
 

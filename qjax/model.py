@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from . import gdn
-from .cache import Cache, GDNState, KVState
+from .cache import Cache, GDNState, KVState, gather_rows, read_layer, scatter_rows, write_layer, write_tokens
 from .config import FULL, LINEAR, TextConfig
 from .kernels import gated_delta_step
 from .layers import GatedRMSNorm, Linear, RMSNorm, _normal, make_linear
@@ -35,11 +35,19 @@ class StepContext:
     cos: jnp.ndarray  # [B, T, R]
     sin: jnp.ndarray  # [B, T, R]
     token_mask: jnp.ndarray | None  # [B, T] bool, False at padding (None: no padding)
-    key_valid: jnp.ndarray  # [B, S] bool, keys attention may read (after this call's write)
-    query_slot: jnp.ndarray  # [T] int32, cache slot of each query (causality: key slot ≤ query slot)
-    write_index: jnp.ndarray | None  # [] int32 cache slot of the first new token; None without a cache
+    key_valid: jnp.ndarray  # [B, S] bool, keys attention may read (after this call's write; it reads the first kv_len)
+    query_slot: jnp.ndarray  # [B or 1, T] int32, cache slot of each query (causality: key slot ≤ query slot)
+    # with a cache: the cache slot each new token is written to ([B, T]; the cache length, i.e. dropped, at padding),
+    # how many of the row's new tokens end at its last real one ([B]: where the GDN conv window ends), and which
+    # cache rows the batch rows are ([B] int32; None: all rows in order)
+    write_slot: jnp.ndarray | None = None
+    span: jnp.ndarray | None = None
+    rows: jnp.ndarray | None = None
     # [] int32 layer group being run when packed weights are read inside their [G, …] stack (see run_layers)
     stack_group: jnp.ndarray | None = None
+    # [] int32 layer group being run, the index into the cache's [G, …] stacks (set inside the layer scan)
+    cache_group: jnp.ndarray | None = None
+    kv_len: int = struct.field(pytree_node=False, default=0)  # cache slots attention reads: [0, kv_len)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -80,21 +88,24 @@ class GatedAttention(nnx.Module):
             # K (after k_norm + RoPE) and V are what a compressed-tensors / vLLM FP8 cache stores: e4m3(x / s)
             ks, vs = self.k_scale[...][:, None], self.v_scale[...][:, None]  # [Hkv, 1] broadcasts over D
         if kv is not None:
-            start = (0, ctx.write_index, 0, 0)
-            new_k = quantize_fp8(k, ks) if fp8 else k.astype(kv.k.dtype)
-            new_v = quantize_fp8(v, vs) if fp8 else v.astype(kv.v.dtype)
-            kv = KVState(k=jax.lax.dynamic_update_slice(kv.k, new_k, start),
-                         v=jax.lax.dynamic_update_slice(kv.v, new_v, start))
+            g, rows = ctx.cache_group, ctx.rows
+            new_k = quantize_fp8(k, ks) if fp8 else k
+            new_v = quantize_fp8(v, vs) if fp8 else v
+            kv = KVState(k=write_tokens(kv.k, g, rows, ctx.write_slot, new_k),
+                         v=write_tokens(kv.v, g, rows, ctx.write_slot, new_v))
+            # the first kv_len slots of this layer's rows, [B, Hkv, kv_len, D]: what the queries may read (this
+            # call's tokens included)
+            keys, values = (read_layer(c, g, rows)[:, :, :ctx.kv_len] for c in (kv.k, kv.v))
             if fp8:
-                keys = (kv.k.astype(jnp.float32) * ks).astype(x.dtype)
-                values = (kv.v.astype(jnp.float32) * vs).astype(x.dtype)
+                keys = (keys.astype(jnp.float32) * ks[:, None]).astype(x.dtype)
+                values = (values.astype(jnp.float32) * vs[:, None]).astype(x.dtype)
             else:
-                keys, values = kv.k.astype(x.dtype), kv.v.astype(x.dtype)
-        elif fp8:
-            # without a cache the same rounding is applied, so prefill and decode see identical keys and values
-            keys, values = fake_quant_fp8(k, ks), fake_quant_fp8(v, vs)
+                keys, values = keys.astype(x.dtype), values.astype(x.dtype)
         else:
-            keys, values = k, v
+            if fp8:
+                # without a cache the same rounding is applied, so prefill and decode see identical keys and values
+                k, v = fake_quant_fp8(k, ks), fake_quant_fp8(v, vs)
+            keys, values = k.swapaxes(1, 2), v.swapaxes(1, 2)
         o = attention(q, keys, values, ctx)
         o = o.reshape(b, t, nh * d) * jax.nn.sigmoid(gate)
         return self.o_proj(o, layer), kv
@@ -104,21 +115,22 @@ def attention(q, k, v, ctx: StepContext) -> jnp.ndarray:
     """Causal GQA softmax attention in fp32; q head h reads kv head ``h // (Hq/Hkv)``.
 
     Args:
-      q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]`` (S = T without a cache, the cache length with one).
+      q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, S, D]`` (S = T without a cache, the slots read with one) — the cache's
+        layout, in which both matmuls batch over (B, Hkv) without transposing the keys or values.
     Returns:
       ``[B, T, Hq, D]`` in q's dtype.
     """
     b, t, hq, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
+    hkv, s = k.shape[1], k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32)
     scores = scores * (d ** -0.5)
-    allowed = (jnp.arange(s)[None, :] <= ctx.query_slot[:, None])[None] & ctx.key_valid[:, None, :]  # [B, T, S]
+    allowed = (jnp.arange(s)[None, None, :] <= ctx.query_slot[..., None]) & ctx.key_valid[:, None, :s]  # [B, T, S]
     # a finite minimum (not -inf) keeps fully masked rows (queries at left pads) NaN-free
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=precision, preferred_element_type=jnp.float32)
     return o.astype(q.dtype).reshape(b, t, hq, d)
 
 
@@ -131,14 +143,23 @@ class Conv1d(nnx.Module):
     def __init__(self, channels: int, kernel: int, *, dtype, rngs: nnx.Rngs | None):
         self.weight = nnx.Param(_normal(rngs, (channels, 1, kernel), kernel ** -0.5, dtype))
 
-    def __call__(self, x: jnp.ndarray, window: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-        """``x [B, T, C]``, ``window [B, K-1, C]`` (previous inputs) → (``[B, T, C]`` pre-activation, new window)."""
+    def __call__(self, x: jnp.ndarray, window: jnp.ndarray, span: jnp.ndarray | None = None
+                 ) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """``x [B, T, C]``, ``window [B, K-1, C]`` (previous inputs) → (``[B, T, C]`` pre-activation, new window).
+
+        ``span [B]``: the new window ends after the first ``span[b]`` inputs of row b (its last real token: right
+        padding stays out of it, and a row with no real token keeps its window); None: after all T."""
         kernel = self.weight.shape[-1]
         t = x.shape[1]
         xc = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
         w = self.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
         y = sum(xc[:, i:i + t].astype(jnp.float32) * w[:, i] for i in range(kernel))
-        return y.astype(x.dtype), xc[:, xc.shape[1] - (kernel - 1):]
+        if span is None:
+            new_window = xc[:, xc.shape[1] - (kernel - 1):]
+        else:
+            at = span[:, None] + jnp.arange(kernel - 1, dtype=jnp.int32)[None, :]  # [B, K-1] indices into xc
+            new_window = jnp.take_along_axis(xc, at[..., None], axis=1)
+        return y.astype(x.dtype), new_window
 
 
 class GatedDeltaNet(nnx.Module):
@@ -173,9 +194,12 @@ class GatedDeltaNet(nnx.Module):
         z = self.in_proj_z(x, layer).reshape(b, t, self.num_v_heads, self.head_v_dim)
         beta = jax.nn.sigmoid(self.in_proj_b(x, layer))
         a = self.in_proj_a(x, layer)
-        window = (state.conv if state is not None
-                  else jnp.zeros((b, self.conv_kernel - 1, mixed.shape[-1]), mixed.dtype))
-        mixed, new_window = self.conv1d(mixed, window)
+        if state is not None:
+            cg, rows = ctx.cache_group, ctx.rows
+            window = read_layer(state.conv, cg, rows)
+        else:
+            window = jnp.zeros((b, self.conv_kernel - 1, mixed.shape[-1]), mixed.dtype)
+        mixed, new_window = self.conv1d(mixed, window, None if state is None else ctx.span)
         mixed = jax.nn.silu(mixed)
         q = mixed[..., :self.key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = mixed[..., self.key_dim:2 * self.key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
@@ -187,22 +211,28 @@ class GatedDeltaNet(nnx.Module):
             keep = ctx.token_mask[..., None]
             beta = jnp.where(keep, beta, 0)
             g = jnp.where(keep, g, 0.0)
-        # in the layer scan (``layer`` set) a cached recurrent state is the whole [G, B, Hv, Dk, Dv] stack
-        stack = layer if state is not None else None
-        init = state.recurrent if state is not None else None
-        if t == 1:  # decode: one kernel in the layer scan (on a mesh, where heads are sharded, the reference)
-            if init is None:
-                init = jnp.zeros((b, self.num_v_heads, self.head_k_dim, self.head_v_dim), jnp.float32)
-            o, s = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], init, layer=stack,
-                                    impl=None if layer is not None else "reference")
+        rec = None if state is None else state.recurrent  # the whole [G, B, Hv, Dk, Dv] stack
+        if t == 1 and rec is not None and rows is None and layer is not None:
+            # decode over the whole cache with the weights read in their stacks: one kernel reads and writes this
+            # layer's state in place inside the stack
+            o, rec = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], rec, layer=cg)
             o = o[:, None]
         else:
-            o, s = gdn.chunk_gated_delta_rule(q, k, v, g, beta, init if stack is None else init[stack])
-            if stack is not None:
-                s = jax.lax.dynamic_update_index_in_dim(init, s, stack, 0)
+            init = None if rec is None else read_layer(rec, cg, rows)
+            if t == 1:  # a subset of the cache's rows (gathered), or on a mesh (heads sharded: the reference)
+                if init is None:
+                    init = jnp.zeros((b, self.num_v_heads, self.head_k_dim, self.head_v_dim), jnp.float32)
+                o, s = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], init,
+                                        impl=None if layer is not None else "reference")
+                o = o[:, None]
+            else:
+                o, s = gdn.chunk_gated_delta_rule(q, k, v, g, beta, init)
+            if rec is not None:
+                rec = write_layer(rec, cg, rows, s)
         o = self.norm(o.astype(x.dtype), z)
         out = self.out_proj(o.reshape(b, t, self.value_dim), layer)
-        new_state = GDNState(conv=new_window.astype(state.conv.dtype), recurrent=s) if state is not None else None
+        new_state = None if state is None else GDNState(conv=write_layer(state.conv, cg, rows, new_window),
+                                                        recurrent=rec)
         return out, new_state
 
 
@@ -335,7 +365,10 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         return jax.lax.dot_general(h, w.astype(h.dtype), (((h.ndim - 1,), (1,)), ((), ())), precision=precision,
                                    preferred_element_type=jnp.float32)
 
-    def _context(self, input_ids, attention_mask, position_ids, cache: Cache | None):
+    def _context(self, input_ids, attention_mask, position_ids, cache: Cache | None, rows=None,
+                 kv_len: int | None = None):
+        """The call's :class:`StepContext` and its token mask ``[B, T]``; with a cache, row i of the batch is cache row
+        ``rows[i]`` (None: row i) and attention reads the first ``kv_len`` slots (None: all)."""
         b, t = input_ids.shape
         mask = None if attention_mask is None else attention_mask.astype(bool)
         ones = jnp.ones((b, t), bool)
@@ -344,16 +377,20 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
             if position_ids is None:
                 position_ids = (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if mask is None
                                 else jnp.maximum(jnp.cumsum(m, axis=1, dtype=jnp.int32) - 1, 0))
-            key_valid, query_slot, write_index = m, jnp.arange(t, dtype=jnp.int32), None
-        else:
-            if position_ids is None:
-                position_ids = cache.positions[:, None] + jnp.maximum(jnp.cumsum(m, axis=1, dtype=jnp.int32) - 1, 0)
-            write_index = cache.index
-            key_valid = jax.lax.dynamic_update_slice(cache.key_valid, m, (0, write_index))
-            query_slot = write_index + jnp.arange(t, dtype=jnp.int32)
+            cos, sin = rope_cos_sin(self.config, position_ids, self.dtype)
+            return StepContext(cos=cos, sin=sin, token_mask=mask, key_valid=m,
+                               query_slot=jnp.arange(t, dtype=jnp.int32)[None]), m
+        if position_ids is None:
+            position_ids = gather_rows(cache.positions, rows)[:, None] + jnp.maximum(
+                jnp.cumsum(m, axis=1, dtype=jnp.int32) - 1, 0)
+        query_slot = gather_rows(cache.lengths, rows)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+        write_slot = jnp.where(m, query_slot, cache.max_len)  # padding is never written (out of range: dropped)
+        span = jnp.max(jnp.where(m, jnp.arange(1, t + 1, dtype=jnp.int32), 0), axis=1)
+        key_valid = gather_rows(cache.key_valid, rows).at[jnp.arange(b)[:, None], write_slot].set(True, mode="drop")
         cos, sin = rope_cos_sin(self.config, position_ids, self.dtype)
+        kv_len = cache.max_len if kv_len is None else min(int(kv_len), cache.max_len)
         ctx = StepContext(cos=cos, sin=sin, token_mask=mask, key_valid=key_valid, query_slot=query_slot,
-                          write_index=write_index)
+                          write_slot=write_slot, span=span, rows=rows, kv_len=kv_len)
         return ctx, m
 
     def run_layers(self, h: jnp.ndarray, ctx: StepContext, slots, collect: bool = False):
@@ -377,55 +414,51 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         else:
             graphdef, state = nnx.split(self.groups)
 
-        # The GDN recurrent states ([G, B, Hv, Dk, Dv] fp32, 63 MB per layer position at batch 1 of the real model)
-        # ride in the carry as whole stacks when the layers are stacked: each GDN layer reads and writes its state
-        # inside the stack (the decode kernel in place), where scanning them would slice a copy into the kernel and
-        # update-slice the result back out. The group index rides in the carry too: as a scanned [G] array XLA sliced
-        # it with an async copy per iteration, which also split the iteration's CUDA graph.
-        carry_rec = stacked and slots is not None
-        recs = tuple(st.recurrent if carry_rec and isinstance(st, GDNState) else None for st in (slots or ()))
-        if carry_rec:
-            slots = tuple(st.replace(recurrent=None) if isinstance(st, GDNState) else st for st in slots)
-
-        def body(carry, xs):
-            h, g, recs = carry
-            group_state, group_slots = xs
-            if carry_rec:
-                group_slots = tuple(st if r is None else st.replace(recurrent=r) for st, r in zip(group_slots, recs))
+        # The cache rides in the carry as whole [G, B, …] stacks (the GDN recurrent states are 63 MB per layer
+        # position at batch 1 of the real model; K/V grow with the context): each layer reads the rows and slots it
+        # needs and writes its new entries in place (the GDN decode kernel inside the stack, one scatter per K/V),
+        # where scanning them would slice a copy of every layer's cache in and write it all back out on every step.
+        # The group index rides in the carry too: as a scanned [G] array XLA sliced it with an async copy per
+        # iteration, which also split the iteration's CUDA graph.
+        def body(carry, group_state):
+            h, g, slots = carry
+            layer_ctx = ctx.replace(cache_group=g, stack_group=g if stacked else None)
             if stacked:
                 group = nnx.merge(graphdef, whole, group_state)
-                h, new_slots, outs = group(h, ctx.replace(stack_group=g), group_slots, collect)
+                h, slots, outs = group(h, layer_ctx, slots, collect)
             else:
-                h, new_slots, outs = nnx.merge(graphdef, group_state)(h, ctx, group_slots, collect)
+                h, slots, outs = nnx.merge(graphdef, group_state)(h, layer_ctx, slots, collect)
                 h = self.mesh_plan.batch(h)  # the residual stream: rows over data, whole on every tensor device
-            if carry_rec:
-                recs = tuple(None if r is None else st.recurrent for st, r in zip(new_slots, recs))
-                new_slots = tuple(st if r is None else st.replace(recurrent=None) for st, r in zip(new_slots, recs))
-            return (h, g + 1, recs), (new_slots, outs)
+            return (h, g + 1, slots), outs
 
-        (h, _, recs), (new_slots, outs) = jax.lax.scan(body, (h, jnp.zeros((), jnp.int32), recs), (state, slots))
-        if carry_rec:
-            new_slots = tuple(st if r is None else st.replace(recurrent=r) for st, r in zip(new_slots, recs))
+        (h, _, new_slots), outs = jax.lax.scan(body, (h, jnp.zeros((), jnp.int32), slots), state)
         if collect:
             outs = outs.reshape(-1, *outs.shape[2:])  # [G, p, B, T, H] → layer g·p + j
         return h, new_slots, outs
 
     # -- forward ------------------------------------------------------------------------------------------------------
     def forward(self, input_ids, *, attention_mask=None, position_ids=None, cache: Cache | None = None,
-                last_only: bool = False, output_hidden_states: bool = False) -> ForwardOutput:
+                last_only: bool = False, output_hidden_states: bool = False, cache_rows=None,
+                kv_len: int | None = None) -> ForwardOutput:
         """Traceable forward.
 
         Args:
           input_ids: ``[B, T]`` int.
-          attention_mask: ``[B, T]`` (1 = token, 0 = left pad) or None.
+          attention_mask: ``[B, T]`` (1 = token, 0 = padding) or None. Without a cache padding must be on the left;
+            with one, anywhere: pads are not written, attended to or counted (a right-padded chunk continues a
+            row exactly).
           position_ids: ``[B, T]`` text positions or ``[3, B, T]`` M-RoPE rows; default: count of real tokens
             before each position (so a left-padded row gets the positions it would have alone).
           cache: a :class:`Cache` to read and update (prefill or decode), or None.
           last_only: compute logits for the last position only (generation).
           output_hidden_states: also return the embeddings and every layer's output (before the final norm) as
             ``hidden_states [L + 1, B, T, H]`` — transformers' ``output_hidden_states`` minus its final-norm entry.
+          cache_rows: ``[B]`` int32, the cache row of each batch row (None: row i is cache row i; the cache then has
+            exactly B rows). Out-of-range entries are padding rows: read clamped, never written.
+          kv_len: attention reads cache slots ``[0, kv_len)`` only (static; every row's tokens must lie below it).
+            None: the whole cache.
         """
-        ctx, m = self._context(input_ids, attention_mask, position_ids, cache)
+        ctx, m = self._context(input_ids, attention_mask, position_ids, cache, cache_rows, kv_len)
         h = self.embed(input_ids)
         if self.mesh_plan is not None:
             h = self.mesh_plan.batch(h)
@@ -437,10 +470,12 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
             logits = self.logits_from_hidden(h[:, -1:] if last_only else h)
         new_cache = None
         if cache is not None:
-            t = input_ids.shape[1]
-            new_cache = Cache(slots=new_slots, key_valid=ctx.key_valid,
-                              positions=cache.positions + jnp.sum(m, axis=1, dtype=jnp.int32),
-                              index=cache.index + t)
+            rows = cache_rows
+            lengths = gather_rows(cache.lengths, rows) + ctx.span
+            positions = gather_rows(cache.positions, rows) + jnp.sum(m, axis=1, dtype=jnp.int32)
+            new_cache = Cache(slots=new_slots, key_valid=scatter_rows(cache.key_valid, rows, ctx.key_valid),
+                              positions=scatter_rows(cache.positions, rows, positions),
+                              lengths=scatter_rows(cache.lengths, rows, lengths))
         return ForwardOutput(logits=logits, hidden=h, cache=new_cache, hidden_states=hidden_states)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None) -> jnp.ndarray:
@@ -464,7 +499,7 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(1, t, dtype=jnp.int32), (b, t - 1))
         cos, sin = rope_cos_sin(self.config, positions, self.dtype)
         ctx = StepContext(cos=cos, sin=sin, token_mask=None, key_valid=jnp.ones((b, t - 1), bool),
-                          query_slot=jnp.arange(t - 1, dtype=jnp.int32), write_index=None)
+                          query_slot=jnp.arange(t - 1, dtype=jnp.int32)[None])
         y = self.mtp(self.embed(input_ids[:, 1:]), hidden[:, :-1], ctx)
         return self.logits_from_hidden(y)
 

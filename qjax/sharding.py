@@ -310,11 +310,11 @@ def cache_shardings(cache, plan: MeshPlan):
     slots = []
     for slot in cache.slots:
         if isinstance(slot, KVState):
-            spec = s(P(None, dp, None, kv_tp, None))
+            spec = s(P(None, dp, kv_tp, None, None))
             slots.append(KVState(k=spec, v=spec))
         else:
             slots.append(GDNState(conv=s(P(None, dp, None, tp)), recurrent=s(P(None, dp, tp, None, None))))
-    return Cache(slots=tuple(slots), key_valid=s(P(dp, None)), positions=s(P(dp)), index=s(P()))
+    return Cache(slots=tuple(slots), key_valid=s(P(dp, None)), positions=s(P(dp)), lengths=s(P(dp)))
 
 
 def set_plan(model, plan: MeshPlan | None) -> None:

@@ -1,0 +1,93 @@
+"""Token sampling, one definition for every generation path: temperature → top-k → top-p as transformers' warpers do
+them, then a seeded categorical draw (or argmax when greedy).
+
+Settings are per row and live on the device (:class:`SamplingArrays`), so one compiled program serves any mix of
+requests: ``qjax.generate`` broadcasts its one setting to every row, the serving engine gives each sequence its own.
+A row's draw depends only on its own logits and key, so a sequence samples the same tokens alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class SamplingArrays:
+    """Per-row sampling settings ``[B]`` (on the device)."""
+
+    do_sample: jnp.ndarray  # bool: False = greedy (argmax of the raw logits)
+    temperature: jnp.ndarray  # float32 (> 0 when sampling)
+    top_k: jnp.ndarray  # int32, 0 = off
+    top_p_cut: jnp.ndarray  # float32 ``1 − top_p`` computed in float64 on the host (0 = off), see below
+
+    @classmethod
+    def make(cls, do_sample, temperature, top_k, top_p) -> "SamplingArrays":
+        """From per-row host values (sequences or scalars broadcast by numpy). ``1 − top_p`` is formed in float64
+        and rounded once, as Python does for a float threshold, so a row filters exactly like the scalar path."""
+        do_sample, temperature, top_k, top_p = np.broadcast_arrays(
+            np.asarray(do_sample, bool), np.asarray(temperature, np.float64), np.asarray(top_k, np.int64),
+            np.asarray(top_p, np.float64))
+        return cls(do_sample=jnp.asarray(do_sample), temperature=jnp.asarray(temperature, jnp.float32),
+                   top_k=jnp.asarray(top_k, jnp.int32), top_p_cut=jnp.asarray(1.0 - top_p, jnp.float32))
+
+    @classmethod
+    def zeros(cls, batch: int) -> "SamplingArrays":
+        return cls.make(np.zeros(batch, bool), 1.0, 0, 1.0)
+
+
+def filter_logits(logits: jnp.ndarray, params: SamplingArrays) -> jnp.ndarray:
+    """Temperature → top-k → top-p per row (transformers' processor order); removed entries become -inf.
+
+    ``logits [B, V]`` → float32 ``[B, V]``. A setting that is off leaves the row bit for bit unchanged (dividing by
+    a temperature of 1 is exact; top-k with k = 0 or k ≥ V and top-p with p = 1 select nothing).
+    """
+    x = logits.astype(jnp.float32) / params.temperature[:, None]
+    v = x.shape[-1]
+    k = params.top_k
+    kth = jnp.take_along_axis(jnp.sort(x, axis=-1), jnp.clip(v - k, 0, v - 1)[:, None], axis=-1)
+    x = jnp.where(((k > 0) & (k < v))[:, None] & (x < kth), -jnp.inf, x)
+    # top-p as transformers: ascending sort, cumulative softmax, drop the mass ≤ 1 − p, always keep the top token
+    order = jnp.argsort(x, axis=-1)
+    cum = jnp.cumsum(jax.nn.softmax(jnp.take_along_axis(x, order, axis=-1), axis=-1), axis=-1)
+    cut = params.top_p_cut[:, None]
+    remove = (cum <= cut).at[:, -1].set(False)
+    remove = jnp.zeros_like(remove).at[jnp.arange(x.shape[0])[:, None], order].set(remove)
+    return jnp.where((cut > 0) & remove, -jnp.inf, x)
+
+
+def sample(logits: jnp.ndarray, keys: jax.Array, params: SamplingArrays) -> jnp.ndarray:
+    """One token per row: argmax of the raw logits (greedy rows; first index on ties, like torch) or a draw from
+    the filtered distribution with the row's own key. ``logits [B, V]``, ``keys [B]`` → ``[B]`` int32.
+
+    The filter runs only when some row samples (a runtime branch, not another compiled program)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        x = filter_logits(logits, params)
+        drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, x).astype(jnp.int32)
+        return jnp.where(params.do_sample, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(params.do_sample), draw, lambda _: greedy, None)
+
+
+def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``keys [B]`` → (the keys to keep, the subkeys to draw with): ``jax.random.split`` per row."""
+    both = jax.vmap(jax.random.split)(keys)
+    return both[:, 0], both[:, 1]
+
+
+def token_logprobs(logits: jnp.ndarray, tokens: jnp.ndarray, k: int) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Log-probabilities from the raw logits (before any sampling setting, as vLLM reports them).
+
+    ``logits [..., V]``, ``tokens [...]`` → (``[...]`` log p(token), top-``k`` ids ``[..., k]`` int32, their log
+    p ``[..., k]``); ``k = 0`` gives empty top arrays."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    lp = jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    if k == 0:
+        empty = jnp.zeros((*lp.shape, 0))
+        return lp, empty.astype(jnp.int32), empty
+    top_lp, top_ids = jax.lax.top_k(logp, k)
+    return lp, top_ids.astype(jnp.int32), top_lp

@@ -1,0 +1,642 @@
+"""Continuous batching: a pool of sequence slots on the device, requests that join and leave at any step.
+
+    engine = Engine(model, EngineConfig(max_num_seqs=16, max_model_len=4096), eos_token_ids=(eos,))
+    outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=32))      # blocking, from Python
+    engine.start(); engine.add_request("r1", ids, params, callback); …; engine.shutdown()   # a server's loop
+
+The pool is one :class:`qjax.cache.Cache` of ``max_num_seqs`` rows × ``max_model_len`` slots (each row: its
+full-attention K/V, its GDN conv window and fp32 recurrent state, its own length), plus per-row device arrays: the
+last token, the PRNG key and the sampling settings. Every engine step runs on the calling thread (or the engine's
+own thread) and issues at most two device programs, both compiled for a few bucketed shapes only:
+
+- **prefill**: the next chunks of the prompts being prefilled (≤ ``max_num_batched_tokens`` tokens in all, one chunk
+  per sequence, right-padded to a bucket): a new sequence first empties its row; a sequence whose prompt ends in
+  this chunk draws its first token from the last real position's logits. Prompt log-probabilities are computed
+  here when asked for.
+- **decode**: one token (up to ``decode_steps`` tokens while nothing waits) for every running sequence, reading and
+  writing only their rows (a bucket of rows, padding rows are never written) and only the first ``kv_len`` cache
+  slots (a bucket ≥ the longest row).
+
+A request alone and a request in any batch run the same arithmetic on their own row: float32 greedy tokens equal
+``qjax.generate``'s for that prompt, and a seeded request draws with ``jax.random.key(seed)`` split once per token,
+as ``qjax.generate`` does, so sampled tokens equal too (tests/test_serving_engine.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import math
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from ..cache import Cache, gather_rows, scatter_rows
+from ..sampling import SamplingArrays, sample, split_keys, token_logprobs
+
+logger = logging.getLogger("qjax.serving")
+
+# Greedy below this temperature, as vLLM does (OpenAI's temperature 0 means greedy).
+GREEDY_TEMPERATURE = 1e-5
+# Smallest bucket of cache slots attention reads at decode; buckets double up to max_model_len.
+MIN_KV_BUCKET = 256
+# Smallest prefill chunk bucket (tokens per sequence per call); buckets grow ×4 up to max_num_batched_tokens.
+MIN_CHUNK_BUCKET = 16
+
+
+class EngineError(ValueError):
+    """A request or a configuration the engine cannot serve; the message names the field and the numbers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the slot pool is sized and scheduled (vLLM's flag names where vLLM has one)."""
+
+    max_num_seqs: int = 8  # sequence slots: requests that run at once
+    max_model_len: int = 2048  # prompt + output tokens per sequence (cache slots per row)
+    max_num_batched_tokens: int = 2048  # prompt tokens prefilled per step, over all sequences
+    decode_steps: int = 4  # tokens decoded per device call while no request waits to be prefilled
+    max_logprobs: int = 20  # the most top log-probabilities a request may ask for
+
+    def check(self, max_position_embeddings: int, data_parallel: int = 1) -> None:
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "decode_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise EngineError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_model_len > max_position_embeddings:
+            raise EngineError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                              f"{max_position_embeddings}")
+        if self.max_num_seqs % data_parallel:
+            raise EngineError(f"max_num_seqs {self.max_num_seqs} is not a multiple of the mesh's data axis "
+                              f"({data_parallel}): the slot pool is split over it")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One request's decoding settings (OpenAI / vLLM semantics)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # < 1e-5: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None  # None: a fresh random seed
+    stop_token_ids: tuple[int, ...] = ()  # end the output (the token is part of it), besides the model's eos
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top log-probabilities per generated token (0: only the chosen token's)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def check(self, max_logprobs: int) -> None:
+        def bad(field, msg):
+            raise EngineError(f"{field}: {msg}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            bad("max_tokens", f"must be a non-negative integer, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", f"must be ≥ 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        for field in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, field)
+            if v is not None and not 0 <= v <= max_logprobs:
+                bad(field, f"must be between 0 and {max_logprobs}, got {v}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (raw logits) and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log p), most likely first
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What a request produced since its last output (the engine calls the request's callback with it)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first output; entry 0 is None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None  # the stop token that ended it (None for the model's eos)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# device state and programs
+# ---------------------------------------------------------------------------------------------------------------------
+@struct.dataclass
+class Pool:
+    """Everything the device keeps per slot."""
+
+    cache: Cache
+    tokens: jnp.ndarray  # [B] int32: the row's last token (the next decode input)
+    keys: jnp.ndarray  # [B, 2] uint32: the row's PRNG key data (split once per drawn token)
+    sampling: SamplingArrays  # [B]
+
+
+def _row_fields(x: SamplingArrays, rows) -> SamplingArrays:
+    return jax.tree.map(lambda a: gather_rows(a, rows), x)
+
+
+class _Programs:
+    """The engine's jitted programs, closed over the model's graph (only arrays are passed per call)."""
+
+    def __init__(self, model, compiled: Callable[[tuple], None]):
+        graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree.flatten(state)
+        self.leaves = leaves
+        self._note = compiled
+
+        def merged(leaves):
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+        def prefill(leaves, pool: Pool, rows, ids, n, reset, final, key_data, sampling: SamplingArrays, targets,
+                    *, kv_len: int, top_k: int, prompt_top_k: int | None):
+            model = merged(leaves)
+            cache = pool.cache.reset_rows(jnp.where(reset, rows, pool.cache.batch_size))
+            mask = jnp.arange(ids.shape[1])[None, :] < n[:, None]
+            out = model.forward(ids, attention_mask=mask, cache=cache, cache_rows=rows, kv_len=kv_len, last_only=True)
+            last = jnp.take_along_axis(out.hidden, jnp.maximum(n - 1, 0)[:, None, None], axis=1)  # [P, 1, H]
+            logits = model.logits_from_hidden(last)[:, 0]
+            keys = jnp.where(reset[:, None], key_data, gather_rows(pool.keys, rows))
+            keep, sub = split_keys(jax.random.wrap_key_data(keys))
+            tok = sample(logits, sub, sampling)
+            lp = token_logprobs(logits, tok, top_k)
+            keep = jnp.where(final[:, None], jax.random.key_data(keep), keys)
+            old = gather_rows(pool.tokens, rows)
+            pool = Pool(cache=out.cache, tokens=scatter_rows(pool.tokens, rows, jnp.where(final, tok, old)),
+                        keys=scatter_rows(pool.keys, rows, keep),
+                        sampling=jax.tree.map(lambda a, v: scatter_rows(a, rows, v), pool.sampling, sampling))
+            prompt = None
+            if prompt_top_k is not None:
+                prompt = _prompt_logprobs(model, out.hidden, targets, prompt_top_k)
+            return pool, tok, lp, prompt
+
+        def decode(leaves, pool: Pool, rows, active, steps, *, kv_len: int, max_steps: int, top_k: int):
+            model = merged(leaves)
+            sampling = _row_fields(pool.sampling, rows)
+
+            def body(i, carry):
+                pool, out = carry
+                tok = gather_rows(pool.tokens, rows)
+                keys = gather_rows(pool.keys, rows)
+                fwd = model.forward(tok[:, None], attention_mask=active[:, None], cache=pool.cache, cache_rows=rows,
+                                    kv_len=kv_len)
+                logits = fwd.logits[:, 0]
+                keep, sub = split_keys(jax.random.wrap_key_data(keys))
+                new = sample(logits, sub, sampling)
+                lp = token_logprobs(logits, new, top_k)
+                pool = pool.replace(
+                    cache=fwd.cache, tokens=scatter_rows(pool.tokens, rows, jnp.where(active, new, tok)),
+                    keys=scatter_rows(pool.keys, rows, jnp.where(active[:, None], jax.random.key_data(keep), keys)))
+                out = jax.tree.map(lambda buf, v: buf.at[i].set(v), out, (new, *lp))
+                return pool, out
+
+            b = active.shape[0]
+            out = (jnp.zeros((max_steps, b), jnp.int32), jnp.zeros((max_steps, b), jnp.float32),
+                   jnp.zeros((max_steps, b, top_k), jnp.int32), jnp.zeros((max_steps, b, top_k), jnp.float32))
+            return jax.lax.fori_loop(0, steps, body, (pool, out))
+
+        self._prefill = jax.jit(prefill, donate_argnums=(1,), static_argnames=("kv_len", "top_k", "prompt_top_k"))
+        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("kv_len", "max_steps", "top_k"))
+
+    def prefill(self, pool, *args, kv_len, top_k, prompt_top_k):
+        self._note(("prefill", args[1].shape, kv_len, top_k, prompt_top_k))
+        return self._prefill(self.leaves, pool, *args, kv_len=kv_len, top_k=top_k, prompt_top_k=prompt_top_k)
+
+    def decode(self, pool, rows, active, steps, *, kv_len, max_steps, top_k):
+        self._note(("decode", None if rows is None else rows.shape, active.shape, kv_len, max_steps, top_k))
+        return self._decode(self.leaves, pool, rows, active, steps, kv_len=kv_len, max_steps=max_steps, top_k=top_k)
+
+
+PROMPT_CHUNK = 64  # prompt positions whose [P, chunk, vocab] logits exist at once
+
+
+def _prompt_logprobs(model, hidden, targets, k: int):
+    """log p(targets[t]) given the prefix through t, and the top-k, for every position: ``hidden [P, T, H]``
+    (post-norm), ``targets [P, T]`` → ``[P, T]``, ``[P, T, k]`` ids, ``[P, T, k]`` log p. Logits are made
+    :data:`PROMPT_CHUNK` positions at a time."""
+    p, t, h = hidden.shape
+    pad = (-t) % PROMPT_CHUNK
+    hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    ts = jnp.pad(targets, ((0, 0), (0, pad)))
+    n = (t + pad) // PROMPT_CHUNK
+    hs = hs.reshape(p, n, PROMPT_CHUNK, h).swapaxes(0, 1)
+    ts = ts.reshape(p, n, PROMPT_CHUNK).swapaxes(0, 1)
+
+    def one(args):
+        hc, tc = args
+        return token_logprobs(model.logits_from_hidden(hc), tc, k)
+
+    lp, ids, top = jax.lax.map(one, (hs, ts))
+    undo = lambda a: a.swapaxes(0, 1).reshape(p, n * PROMPT_CHUNK, *a.shape[3:])[:, :t]  # noqa: E731
+    return undo(lp), undo(ids), undo(top)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------------------------------
+WAITING, PREFILL, DECODE = "waiting", "prefill", "decode"
+
+
+@dataclasses.dataclass
+class _Seq:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    callback: Callable[[RequestOutput], None]
+    stop_ids: frozenset
+    key_data: np.ndarray  # [2] uint32
+    arrival: float
+    state: str = WAITING
+    slot: int = -1
+    cursor: int = 0  # prompt tokens prefilled
+    output: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+def bucket(n: int, lo: int, hi: int, factor: int = 2) -> int:
+    """The smallest of ``lo, lo·factor, …`` (capped at ``hi``, which is always a bucket) that holds ``n``."""
+    b = lo
+    while b < n and b < hi:
+        b *= factor
+    return min(b, hi) if n <= hi else n
+
+
+class EngineMetricsSink:
+    """What the engine reports as it runs (the server counts it for ``/metrics``); the default ignores it."""
+
+    def queue(self, running: int, waiting: int) -> None: ...
+    def prompt_tokens(self, n: int) -> None: ...
+    def generated_tokens(self, n: int) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float, n: int) -> None: ...
+    def finished(self, reason: str, seconds: float) -> None: ...
+
+
+class Engine:
+    """The slot pool and its scheduler (see the module docstring). Thread-safe entry points: :meth:`add_request`,
+    :meth:`abort`, :meth:`start`, :meth:`shutdown`; :meth:`step` runs on one thread at a time."""
+
+    def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_token_ids: Sequence[int] = (),
+                 metrics: EngineMetricsSink | None = None):
+        plan = model.mesh_plan
+        self._data = 1 if plan is None else plan.size("data")
+        config.check(model.config.max_position_embeddings, self._data)
+        self.model = model
+        self.config = config
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.metrics = metrics or EngineMetricsSink()
+        self.compiled: set[tuple] = set()  # the program signatures dispatched so far (each compiles once)
+        self._programs = _Programs(model, self.compiled.add)
+        b = config.max_num_seqs
+        self.pool = self._new_pool()
+        self._slots: list[_Seq | None] = [None] * b
+        self._seqs: dict[str, _Seq] = {}
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards step() against a concurrent caller
+        self.steps = 0
+
+    # -- memory ---------------------------------------------------------------------------------------------------
+    def _new_pool(self) -> Pool:
+        b, s = self.config.max_num_seqs, self.config.max_model_len
+        cache = self.model.init_cache(b, s)
+        rep = (lambda x: x) if self.model.mesh_plan is None else self.model.mesh_plan.batch
+        return Pool(cache=cache, tokens=rep(jnp.zeros((b,), jnp.int32)), keys=rep(jnp.zeros((b, 2), jnp.uint32)),
+                    sampling=jax.tree.map(rep, SamplingArrays.zeros(b)))
+
+    @staticmethod
+    def cache_bytes(model, max_num_seqs: int, max_model_len: int) -> dict[str, int]:
+        """Bytes of the slot pool, from the cache's own layout: ``kv`` (full-attention K/V) and ``state`` (GDN conv
+        windows + recurrent states) per sequence, and ``total`` for the pool."""
+        one = jax.eval_shape(lambda: model.init_cache(1, max_model_len))
+        kv = state = 0
+        for slot in one.slots:
+            n = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slot))
+            if hasattr(slot, "k"):
+                kv += n
+            else:
+                state += n
+        return {"kv": kv, "state": state, "total": (kv + state) * max_num_seqs}
+
+    # -- requests (any thread) ------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                    callback: Callable[[RequestOutput], None]) -> None:
+        """Queue a request; ``callback`` receives its outputs on the engine's thread. Raises :class:`EngineError`
+        for a request that cannot be served (the message names the field and the numbers)."""
+        prompt = [int(t) for t in prompt_ids]
+        self.validate(prompt, params)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        seed = params.seed if params.seed is not None else secrets.randbits(31)
+        key_data = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+        seq = _Seq(request_id=request_id, prompt=prompt, params=params, callback=callback,
+                   stop_ids=frozenset(int(t) for t in stop), key_data=key_data, arrival=time.monotonic())
+        self._inbox.put(("add", seq))
+        self._wake.set()
+
+    def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        params.check(self.config.max_logprobs)
+        if not prompt:
+            raise EngineError("prompt: empty (at least one token is needed)")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) + params.max_tokens > self.config.max_model_len:
+            raise EngineError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                              f"{len(prompt) + params.max_tokens} exceeds max_model_len {self.config.max_model_len}")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone): its slot is free at the next step; its callback gets ``abort``."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._seqs) or not self._inbox.empty()
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run :meth:`step` on a background thread until :meth:`shutdown`."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="qjax-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # a bug: fail every request loudly rather than hang their clients
+                logger.exception("engine step failed; aborting all requests")
+                for seq in list(self._seqs.values()):
+                    self._emit(seq, [], [], "abort")
+                self.pool = self._new_pool()
+
+    def shutdown(self, *, abort: bool = True, timeout: float | None = None) -> None:
+        """Stop the loop thread; ``abort``: end every unfinished request with ``abort`` first (else let them run
+        to completion, waiting at most ``timeout`` seconds)."""
+        if not abort:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.has_work() and (deadline is None or time.monotonic() < deadline):
+                time.sleep(0.01)
+        for seq in list(self._seqs.values()):
+            self.abort(seq.request_id)
+        if self._thread is not None:
+            end = time.monotonic() + 30
+            while self.has_work() and time.monotonic() < end:
+                time.sleep(0.01)
+            self._stop.set()
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
+
+    def step(self) -> None:
+        """One scheduling step: take new requests and aborts, admit waiting requests to free slots, prefill one
+        chunk per prefilling sequence (within the token budget), decode every running sequence."""
+        with self._lock:
+            self._drain()
+            self._admit()
+            self._prefill()
+            self._decode(max_steps=1 if (self._waiting or self._prefilling()) else self.config.decode_steps)
+            self.metrics.queue(self.num_running, self.num_waiting)
+            self.steps += 1
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion on this thread (the engine must not be :meth:`start` ed) and return one
+        merged :class:`RequestOutput` per prompt."""
+        if self._thread is not None:
+            raise EngineError("generate() runs the engine on the calling thread; this engine has a loop thread")
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        results: dict[str, RequestOutput] = {}
+
+        def collect(out: RequestOutput) -> None:
+            acc = results.setdefault(out.request_id, RequestOutput(out.request_id, [], [] if out.new_logprobs
+                                                                   is not None else None))
+            acc.new_token_ids += out.new_token_ids
+            if out.new_logprobs is not None:
+                acc.new_logprobs = (acc.new_logprobs or []) + out.new_logprobs
+            if out.prompt_logprobs is not None:
+                acc.prompt_logprobs = out.prompt_logprobs
+            acc.finished, acc.finish_reason, acc.stop_reason = out.finished, out.finish_reason, out.stop_reason
+
+        ids = [f"generate-{secrets.token_hex(6)}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add_request(rid, prompt, p, collect)
+        while self.has_work():
+            self.step()
+        return [results[rid] for rid in ids]
+
+    # -- scheduling -----------------------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                if item.request_id in self._seqs:
+                    item.callback(RequestOutput(item.request_id, [], finished=True, finish_reason="abort"))
+                    continue
+                self._seqs[item.request_id] = item
+                self._waiting.append(item)
+            else:
+                seq = self._seqs.get(item)
+                if seq is not None:
+                    self._emit(seq, [], [], "abort")
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._slots:
+            seq = self._waiting.popleft()
+            seq.slot = self._slots.index(None)  # lowest free slot: running rows stay packed at the front
+            seq.state = PREFILL
+            self._slots[seq.slot] = seq
+
+    def _prefilling(self) -> list[_Seq]:
+        return [s for s in self._slots if s is not None and s.state == PREFILL]
+
+    def _round_rows(self, n: int) -> int:
+        return -(-n // self._data) * self._data
+
+    def _kv_bucket(self, n: int) -> int:
+        return bucket(n, min(MIN_KV_BUCKET, self.config.max_model_len), self.config.max_model_len)
+
+    def _prefill(self) -> bool:
+        todo = sorted(self._prefilling(), key=lambda s: s.arrival)
+        if not todo:
+            return False
+        budget = self.config.max_num_batched_tokens
+        chunks: list[tuple[_Seq, int]] = []
+        for seq in todo:
+            if budget <= 0:
+                break
+            n = min(len(seq.prompt) - seq.cursor, budget)
+            chunks.append((seq, n))
+            budget -= n
+        cap = self.config.max_num_batched_tokens
+        t = bucket(max(n for _, n in chunks), min(MIN_CHUNK_BUCKET, cap), cap, factor=4)
+        p = self._round_rows(bucket(len(chunks), 1, self.config.max_num_seqs))
+        b = self.config.max_num_seqs
+        rows = np.full(p, b, np.int32)
+        ids = np.zeros((p, t), np.int32)
+        targets = np.zeros((p, t), np.int32)
+        n_arr = np.zeros(p, np.int32)
+        reset = np.zeros(p, bool)
+        final = np.zeros(p, bool)
+        key_data = np.zeros((p, 2), np.uint32)
+        do_sample, temperature, top_k, top_p = np.zeros(p, bool), np.ones(p), np.zeros(p, np.int64), np.ones(p)
+        end = 0
+        want_prompt = None
+        want_top = 0
+        for i, (seq, n) in enumerate(chunks):
+            sp = seq.params
+            rows[i] = seq.slot
+            ids[i, :n] = seq.prompt[seq.cursor:seq.cursor + n]
+            nxt = seq.prompt[seq.cursor + 1:seq.cursor + n + 1]
+            targets[i, :len(nxt)] = nxt
+            n_arr[i] = n
+            reset[i] = seq.cursor == 0
+            final[i] = seq.cursor + n == len(seq.prompt)
+            key_data[i] = seq.key_data
+            do_sample[i], temperature[i] = not sp.greedy, (1.0 if sp.greedy else sp.temperature)
+            top_k[i], top_p[i] = max(sp.top_k, 0), sp.top_p
+            end = max(end, seq.cursor + n)
+            if sp.prompt_logprobs is not None:
+                want_prompt = self.config.max_logprobs
+            if sp.logprobs is not None:
+                want_top = self.config.max_logprobs
+        sampling = SamplingArrays.make(do_sample, temperature, top_k, top_p)
+        self.pool, tok, lp, prompt = self._programs.prefill(
+            self.pool, jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(n_arr), jnp.asarray(reset),
+            jnp.asarray(final), jnp.asarray(key_data), sampling, jnp.asarray(targets), kv_len=self._kv_bucket(end),
+            top_k=want_top, prompt_top_k=want_prompt)
+        tok, lp = np.asarray(tok), jax.tree.map(np.asarray, lp)
+        prompt = None if prompt is None else jax.tree.map(np.asarray, prompt)
+        now = time.monotonic()
+        for i, (seq, n) in enumerate(chunks):
+            if seq.params.prompt_logprobs is not None:
+                if seq.prompt_logprobs is None:
+                    seq.prompt_logprobs = [None]
+                k = seq.params.prompt_logprobs
+                last = n - (1 if final[i] else 0)  # the chunk's last position predicts the next chunk's first token
+                seq.prompt_logprobs += [_logprob(targets[i, j], prompt[0][i, j], prompt[1][i, j], prompt[2][i, j], k)
+                                        for j in range(last)]
+            seq.cursor += n
+            self.metrics.prompt_tokens(n)
+            if final[i]:
+                seq.state = DECODE
+                seq.first_token_time = now
+                self.metrics.first_token(now - seq.arrival)
+                if seq.params.max_tokens == 0:  # echo-only request: the prompt's log-probabilities, no output
+                    self._emit(seq, [], [], "length")
+                    continue
+                self._accept(seq, [int(tok[i])], [_logprob(tok[i], lp[0][i], lp[1][i], lp[2][i], seq.params.logprobs)])
+        return True
+
+    def _decode(self, max_steps: int) -> None:
+        running = [s for s in self._slots if s is not None and s.state == DECODE]
+        if not running:
+            return
+        b = self.config.max_num_seqs
+        slots = sorted(s.slot for s in running)
+        size = self._round_rows(bucket(len(slots), 1, b))
+        if size >= b:  # the whole pool in order (no gathers); the rows not decoding are masked out
+            rows, active = None, np.zeros(b, bool)
+            active[slots] = True
+            index = {slot: slot for slot in slots}
+        else:  # a bucket of rows; padding rows (index b) are read clamped and never written
+            rows_np = np.full(size, b, np.int32)
+            rows_np[:len(slots)] = slots
+            rows, active = jnp.asarray(rows_np), rows_np < b
+            index = {slot: i for i, slot in enumerate(slots)}
+        # no row gets more tokens than it may still produce, so none writes past its cache row
+        steps = max(1, min(max_steps, *(s.params.max_tokens - len(s.output) for s in running)))
+        longest = max(len(s.prompt) + len(s.output) for s in running) + steps
+        want_top = self.config.max_logprobs if any(s.params.logprobs is not None for s in running) else 0
+        self.pool, (toks, lps, top_ids, top_lps) = self._programs.decode(
+            self.pool, rows, jnp.asarray(active), jnp.asarray(steps, jnp.int32), kv_len=self._kv_bucket(longest),
+            max_steps=self.config.decode_steps, top_k=want_top)
+        toks, lps, top_ids, top_lps = (np.asarray(x) for x in (toks, lps, top_ids, top_lps))
+        for seq in running:
+            i = index[seq.slot]
+            lp = [_logprob(toks[j, i], lps[j, i], top_ids[j, i], top_lps[j, i], seq.params.logprobs)
+                  for j in range(steps)]
+            self._accept(seq, [int(t) for t in toks[:steps, i]], lp)
+
+    def _accept(self, seq: _Seq, tokens: list[int], logprobs: list) -> None:
+        """Append decoded tokens up to the first stop token or the length limit and emit them (finished when
+        either was reached; tokens decoded after it are dropped)."""
+        reason = stop_reason = None
+        take = []
+        for t in tokens:
+            take.append(t)
+            if t in seq.stop_ids:
+                reason = "stop"
+                stop_reason = None if t in self.eos_token_ids and not seq.params.ignore_eos else t
+                break
+            if len(seq.output) + len(take) >= seq.params.max_tokens:
+                reason = "length"
+                break
+        now = time.monotonic()
+        if seq.output and seq.last_token_time is not None:
+            self.metrics.inter_token((now - seq.last_token_time) / len(take), len(take))
+        seq.last_token_time = now
+        seq.output += take
+        self.metrics.generated_tokens(len(take))
+        self._emit(seq, take, logprobs[:len(take)], reason, stop_reason)
+
+    def _emit(self, seq: _Seq, tokens: list[int], logprobs: list, reason: str | None = None,
+              stop_reason: int | None = None) -> None:
+        """Send the request its new output; with ``reason`` it is finished and its slot is free at once."""
+        if reason is not None:
+            if seq.slot >= 0 and self._slots[seq.slot] is seq:
+                self._slots[seq.slot] = None
+            if seq in self._waiting:
+                self._waiting.remove(seq)
+            self._seqs.pop(seq.request_id, None)
+            self.metrics.finished(reason, time.monotonic() - seq.arrival)
+        prompt_lp, seq.prompt_logprobs = seq.prompt_logprobs, None
+        seq.callback(RequestOutput(seq.request_id, tokens, logprobs if seq.params.logprobs is not None else None,
+                                   prompt_lp, reason is not None, reason, stop_reason))
+
+
+def _logprob(token, lp, top_ids, top_lps, k: int | None) -> TokenLogprob | None:
+    if k is None:
+        return None
+    return TokenLogprob(int(token), float(lp), tuple((int(i), float(v)) for i, v in zip(top_ids[:k], top_lps[:k])))
