@@ -6,6 +6,7 @@
     qjax inspect PATH | --config C --recipe R   sizes and predicted device memory
     qjax quantize --model DIR --dataset FILE --output_dir OUT [auto-round flags]   AutoRound → compressed-tensors
     qjax bench [--scale 8] [--recipe R]   prefill/decode speed of a random-weight model of a config + recipe
+    qjax serve [MODEL] [vLLM's flags]   OpenAI-compatible server with continuous batching
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ DEMO_CONFIG = {
 
 # modules that add subcommands of their own: each defines ``register(subparsers)`` (commands whose code is more than a
 # thin wrapper live beside the library code they drive)
-COMMAND_MODULES: tuple[str, ...] = ("qjax.eval_cli", "qjax.chat_cli", "qjax.bench_cli")
+COMMAND_MODULES: tuple[str, ...] = ("qjax.eval_cli", "qjax.chat_cli", "qjax.bench_cli", "qjax.serving.cli")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -524,3 +524,37 @@ def _all_per_expert_stems(model) -> dict[str, bool]:
              for i in range(model.config.num_hidden_layers)}
     stems.update({f"mtp.layers.{i}.": False for i in range(4)})
     return stems
+
+
+def with_fp8_kv_cache(model: Qwen3_5MoeForCausalLM) -> Qwen3_5MoeForCausalLM:
+    """The same model with an FP8 (E4M3) K/V cache whose scales are 1.0 per kv head — what vLLM does for
+    ``--kv-cache-dtype fp8`` on a checkpoint without static KV scales. A model that already has its checkpoint's
+    scales is returned unchanged (they are kept)."""
+    if model.kv_fp8:
+        return model
+    from .quant.spec import ModelQuant
+
+    quant = model.quant if model.quant is not None else ModelQuant(layers=())
+    new = abstract_model(model.config, dtype=model.dtype, with_mtp=model.mtp is not None,
+                         quant=dataclasses.replace(quant, kv_cache="attn_head"))
+    old = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model))}
+    shardings = None
+    if model.mesh_plan is not None:
+        from .sharding import set_plan, state_shardings
+
+        set_plan(new, model.mesh_plan)
+        shardings = state_shardings(new, model.mesh_plan)
+    graphdef, state = nnx.split(new)
+    flat = nnx.to_flat_state(state)
+    for p, v in flat:
+        p = tuple(p)
+        if p in old:
+            value = old[p].get_value() if hasattr(old[p], "get_value") else old[p].value
+        else:  # k_scale / v_scale: the unit scales
+            value = jnp.ones(v.shape, v.dtype)
+            if shardings is not None:
+                value = jax.device_put(value, shardings[p])
+        v.set_value(value) if hasattr(v, "set_value") else setattr(v, "value", value)
+    out = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    out.generation_config = getattr(model, "generation_config", None)
+    return out

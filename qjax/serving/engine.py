@@ -30,6 +30,7 @@ import functools
 import logging
 import math
 import queue
+import random
 import secrets
 import threading
 import time
@@ -298,7 +299,8 @@ class Engine:
     :meth:`abort`, :meth:`start`, :meth:`shutdown`; :meth:`step` runs on one thread at a time."""
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_token_ids: Sequence[int] = (),
-                 metrics: EngineMetricsSink | None = None):
+                 metrics: EngineMetricsSink | None = None, seed: int | None = None):
+        """``seed``: seeds the random seeds of requests that give none (None: fresh randomness)."""
         plan = model.mesh_plan
         self._data = 1 if plan is None else plan.size("data")
         config.check(model.config.max_position_embeddings, self._data)
@@ -320,6 +322,7 @@ class Engine:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards step() against a concurrent caller
         self.steps = 0
+        self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
 
     # -- memory ---------------------------------------------------------------------------------------------------
     def _new_pool(self) -> Pool:
@@ -343,6 +346,31 @@ class Engine:
                 state += n
         return {"kv": kv, "state": state, "total": (kv + state) * max_num_seqs}
 
+    def warmup(self) -> int:
+        """Compile the programs steady serving uses most, before the first request: decode at every batch bucket
+        and prefill of one sequence at every chunk bucket (both for the shortest ``kv_len`` bucket). The calls
+        touch no row (every row is padding). Returns the number of programs compiled so far."""
+        b, cap = self.config.max_num_seqs, self.config.max_num_batched_tokens
+        kv = self._kv_bucket(1)
+        sizes = sorted({min(self._round_rows(bucket(n, 1, b)), b) for n in range(1, b + 1)})
+        for size in sizes:
+            rows = None if size >= b else jnp.full((size,), b, jnp.int32)
+            self.pool, _ = self._programs.decode(self.pool, rows, jnp.zeros((size,), bool), jnp.asarray(1, jnp.int32),
+                                                 kv_len=kv, max_steps=self.config.decode_steps, top_k=0)
+        t = min(MIN_CHUNK_BUCKET, cap)
+        p = self._round_rows(1)
+        while True:
+            z = functools.partial(jnp.zeros, dtype=jnp.int32)
+            self.pool, *_ = self._programs.prefill(
+                self.pool, jnp.full((p,), b, jnp.int32), z((p, t)), z((p,)), jnp.zeros((p,), bool),
+                jnp.zeros((p,), bool), jnp.zeros((p, 2), jnp.uint32), SamplingArrays.zeros(p), z((p, t)),
+                kv_len=self._kv_bucket(t), top_k=0, prompt_top_k=None)
+            if t >= cap:
+                break
+            t = min(t * 4, cap)
+        jax.block_until_ready(self.pool)
+        return len(self.compiled)
+
     # -- requests (any thread) ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                     callback: Callable[[RequestOutput], None]) -> None:
@@ -351,7 +379,7 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         self.validate(prompt, params)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        seed = params.seed if params.seed is not None else secrets.randbits(31)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
         key_data = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
         seq = _Seq(request_id=request_id, prompt=prompt, params=params, callback=callback,
                    stop_ids=frozenset(int(t) for t in stop), key_data=key_data, arrival=time.monotonic())

@@ -1,0 +1,362 @@
+"""The OpenAI wire format (with vLLM's extensions) on one side, the engine's requests and outputs on the other.
+
+Request bodies are validated with pydantic (unknown fields are accepted and ignored, as vLLM does: evaluation
+clients send extra keys); every refusal is an :class:`ApiError` that the server turns into OpenAI's error object.
+Responses are plain dicts in the shapes of ``openai-python``'s types (``Completion``, ``ChatCompletion``, their
+streaming chunks). :class:`TextAssembler` turns a request's token stream into text: incremental detokenization,
+stop strings (cut before the match, held back while streaming until they cannot match), log-probabilities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .engine import RequestOutput, SamplingParams, TokenLogprob
+
+# vLLM answers a -inf log-probability with this number (JSON has no infinity)
+NEG_INF_LOGPROB = -9999.0
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP ``status`` and a message naming the request part at fault."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                             413: "BadRequestError", 422: "BadRequestError", 503: "ServiceUnavailableError"}.get(
+            status, "InternalServerError")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def validation_message(e: ValidationError) -> str:
+    """One line per field, e.g. ``max_tokens: Input should be a valid integer``."""
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body",)) or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# requests
+# ---------------------------------------------------------------------------------------------------------------------
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    # neutral values only: anything else would change the tokens and qjax does not implement it
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict | None = None
+    min_tokens: int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        if isinstance(v, list) and any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def stop_strings(self) -> list[str]:
+        return [] if self.stop is None else ([self.stop] if isinstance(self.stop, str) else list(self.stop))
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    def check_unsupported(self) -> None:
+        neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+                   "min_tokens": 0}
+        for name, ok in neutral.items():
+            v = getattr(self, name)
+            if v is not None and v != ok:
+                raise ApiError(400, f"{name}={v} is not supported by qjax serve (only {ok})", param=name)
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported by qjax serve", param="logit_bias")
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    tools: list | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """Server-side sampling defaults for fields a request leaves out (vLLM: the model's generation_config)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @classmethod
+    def from_generation_config(cls, gc) -> "Defaults":
+        """``qjax.GenerationConfig`` → defaults; ``do_sample: false`` means greedy (temperature 0)."""
+        if gc is None:
+            return cls()
+        return cls(temperature=float(gc.temperature) if gc.do_sample else 0.0, top_p=float(gc.top_p),
+                   top_k=int(gc.top_k))
+
+
+def sampling_params(req: _Request, defaults: Defaults, *, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None, seed: int | None) -> SamplingParams:
+    req.check_unsupported()
+    top_k = defaults.top_k if req.top_k is None else req.top_k
+    for name in ("temperature", "top_p"):
+        v = getattr(req, name)
+        if v is not None and not math.isfinite(v):
+            raise ApiError(400, f"{name} must be a finite number", param=name)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=defaults.temperature if req.temperature is None else req.temperature,
+        top_p=defaults.top_p if req.top_p is None else req.top_p, top_k=0 if top_k == -1 else top_k, seed=seed,
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs)
+
+
+def completion_prompts(req: CompletionRequest, encode) -> list[list[int]]:
+    """The request's prompts as token id lists (``encode(text) → ids``); an empty prompt is refused."""
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [encode(p)]
+    elif not p:
+        raise ApiError(400, "prompt: empty", param="prompt")
+    elif isinstance(p[0], str):
+        prompts = [encode(s) for s in p]
+    elif isinstance(p[0], int):
+        prompts = [list(p)]
+    else:
+        prompts = [list(x) for x in p]
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ApiError(400, f"prompt{'' if len(prompts) == 1 else f'[{i}]'}: empty (no tokens)", param="prompt")
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# outputs → text
+# ---------------------------------------------------------------------------------------------------------------------
+def clamp(lp: float) -> float:
+    return lp if math.isfinite(lp) else NEG_INF_LOGPROB
+
+
+class TextAssembler:
+    """One choice's output: token ids, their text (special tokens skipped unless asked), stop strings, logprobs."""
+
+    def __init__(self, tokenizer, *, stops: list[str], include_stop: bool = False, skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.decoder = tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens)
+        self.stops = stops
+        self.include_stop = include_stop
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0  # characters already streamed
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, out: RequestOutput) -> bool:
+        """Take one engine output; True when a stop string ended the choice here (the caller aborts the request)."""
+        if self.finished:
+            return False
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        for i, t in enumerate(out.new_token_ids):
+            self.token_ids.append(t)
+            if out.new_logprobs is not None:
+                self.logprobs.append(out.new_logprobs[i])
+            start = max(0, len(self.text) - self.holdback)
+            self.text += self.decoder.push(t)
+            if self.stops and self._cut(start):
+                return True
+        if out.finished:
+            start = max(0, len(self.text) - self.holdback)
+            self.text += self.decoder.flush()
+            if self.stops and self._cut(start):
+                return True
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _cut(self, start: int) -> bool:
+        hits = [(self.text.find(s, start), s) for s in self.stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+        self.finish_reason, self.stop_reason = "stop", s
+        return True
+
+    def delta(self) -> str:
+        """Text not streamed yet that no stop string can still change."""
+        end = len(self.text) if self.finished else max(self.sent, len(self.text) - (self.holdback if self.stops
+                                                                                    else 0))
+        piece, self.sent = self.text[self.sent:end], end
+        return piece
+
+    def token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id])
+
+
+def completion_logprobs(a: TextAssembler, prompt_ids: list[int] | None, prompt_text: str, k: int,
+                        start: int = 0, offset0: int = 0) -> dict:
+    """The ``logprobs`` object of a completion choice: tokens, token_logprobs, top_logprobs, text_offset (with
+    echo, the prompt's entries first; entry 0 has no log-probability)."""
+    entries: list[tuple[int, TokenLogprob | None]] = []
+    if prompt_ids is not None:
+        plp = a.prompt_logprobs or [None] * len(prompt_ids)
+        entries += [(t, plp[i] if i < len(plp) else None) for i, t in enumerate(prompt_ids)]
+    entries += [(lp.token_id, lp) for lp in a.logprobs]
+    entries = entries[start:]
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = offset0
+    for t, lp in entries:
+        s = a.token_text(t)
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(clamp(lp.logprob))
+        top = {a.token_text(i): clamp(v) for i, v in lp.top[:k]}
+        top.setdefault(s, clamp(lp.logprob))  # the chosen token is always listed, as vLLM does
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(a: TextAssembler, k: int, start: int = 0) -> dict:
+    """``choices[i].logprobs`` of a chat completion: one entry per generated token."""
+    def entry(t, lp):
+        s = a.token_text(t)
+        return {"token": s, "logprob": clamp(lp), "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [dict(entry(lp.token_id, lp.logprob),
+                             top_logprobs=[entry(i, v) for i, v in lp.top[:k]]) for lp in a.logprobs[start:]],
+            "refusal": None}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def envelope(kind: str, rid: str, model: str, created: int | None = None, **fields: Any) -> dict:
+    return {"id": rid, "object": kind, "created": int(time.time()) if created is None else created, "model": model,
+            **fields}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Qwen3 reasoning parser (vLLM's --reasoning-parser qwen3)
+# ---------------------------------------------------------------------------------------------------------------------
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def split_reasoning(text: str, *, thinking: bool) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole answer: a leading ``<think>`` is dropped; text before ``</think>`` is the
+    reasoning, after it the content; without ``</think>`` it is all reasoning when thinking was on (the answer was
+    cut short) and all content when it was off. Empty parts are None."""
+    if text.startswith(THINK_START):
+        text = text[len(THINK_START):]
+    if THINK_END in text:
+        reasoning, _, content = text.partition(THINK_END)
+    elif thinking:
+        reasoning, content = text, ""
+    else:
+        reasoning, content = "", text
+    return reasoning or None, content or None
+
+
+class ReasoningStream:
+    """The streaming form of :func:`split_reasoning`: text deltas in, (reasoning delta, content delta) out."""
+
+    def __init__(self, *, thinking: bool):
+        self.in_reasoning = thinking
+        self.buf = ""
+        self.started = False
+
+    def push(self, delta: str, final: bool = False) -> tuple[str, str]:
+        self.buf += delta
+        reasoning = content = ""
+        if not self.started:
+            if len(self.buf) < len(THINK_START) and THINK_START.startswith(self.buf) and not final:
+                return "", ""
+            if self.buf.startswith(THINK_START):
+                self.buf = self.buf[len(THINK_START):]
+                self.in_reasoning = True
+            self.started = True
+        if self.in_reasoning:
+            at = self.buf.find(THINK_END)
+            if at >= 0:
+                reasoning, rest = self.buf[:at], self.buf[at + len(THINK_END):]
+                self.in_reasoning, self.buf = False, ""
+                content = rest
+            else:
+                keep = 0 if final else _partial_suffix(self.buf, THINK_END)
+                reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        else:
+            content, self.buf = self.buf, ""
+        return reasoning, content
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (held back: it may complete)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
