@@ -50,8 +50,9 @@ logger = logging.getLogger("qjax.serving")
 GREEDY_TEMPERATURE = 1e-5
 # Smallest bucket of cache slots attention reads at decode; buckets double up to max_model_len.
 MIN_KV_BUCKET = 256
-# Smallest prefill chunk bucket (tokens per sequence per call); buckets grow ×4 up to max_num_batched_tokens.
-MIN_CHUNK_BUCKET = 16
+# Smallest prefill chunk bucket (tokens per sequence per call; the GDN chunk size); buckets grow ×4 up to
+# max_num_batched_tokens.
+MIN_CHUNK_BUCKET = 64
 
 
 class EngineError(ValueError):
@@ -356,7 +357,8 @@ class Engine:
         for size in sizes:
             rows = None if size >= b else jnp.full((size,), b, jnp.int32)
             self.pool, _ = self._programs.decode(self.pool, rows, jnp.zeros((size,), bool), jnp.asarray(1, jnp.int32),
-                                                 kv_len=kv, max_steps=self.config.decode_steps, top_k=0)
+                                                 kv_len=kv, max_steps=self.config.decode_steps,
+                                                 top_k=self.config.max_logprobs)
         t = min(MIN_CHUNK_BUCKET, cap)
         p = self._round_rows(1)
         while True:
@@ -364,7 +366,7 @@ class Engine:
             self.pool, *_ = self._programs.prefill(
                 self.pool, jnp.full((p,), b, jnp.int32), z((p, t)), z((p,)), jnp.zeros((p,), bool),
                 jnp.zeros((p,), bool), jnp.zeros((p, 2), jnp.uint32), SamplingArrays.zeros(p), z((p, t)),
-                kv_len=self._kv_bucket(t), top_k=0, prompt_top_k=None)
+                kv_len=self._kv_bucket(t), top_k=self.config.max_logprobs, prompt_top_k=None)
             if t >= cap:
                 break
             t = min(t * 4, cap)
@@ -551,7 +553,6 @@ class Engine:
         do_sample, temperature, top_k, top_p = np.zeros(p, bool), np.ones(p), np.zeros(p, np.int64), np.ones(p)
         end = 0
         want_prompt = None
-        want_top = 0
         for i, (seq, n) in enumerate(chunks):
             sp = seq.params
             rows[i] = seq.slot
@@ -567,13 +568,11 @@ class Engine:
             end = max(end, seq.cursor + n)
             if sp.prompt_logprobs is not None:
                 want_prompt = self.config.max_logprobs
-            if sp.logprobs is not None:
-                want_top = self.config.max_logprobs
         sampling = SamplingArrays.make(do_sample, temperature, top_k, top_p)
         self.pool, tok, lp, prompt = self._programs.prefill(
             self.pool, jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(n_arr), jnp.asarray(reset),
             jnp.asarray(final), jnp.asarray(key_data), sampling, jnp.asarray(targets), kv_len=self._kv_bucket(end),
-            top_k=want_top, prompt_top_k=want_prompt)
+            top_k=self.config.max_logprobs, prompt_top_k=want_prompt)
         tok, lp = np.asarray(tok), jax.tree.map(np.asarray, lp)
         prompt = None if prompt is None else jax.tree.map(np.asarray, prompt)
         now = time.monotonic()
@@ -616,10 +615,9 @@ class Engine:
         # no row gets more tokens than it may still produce, so none writes past its cache row
         steps = max(1, min(max_steps, *(s.params.max_tokens - len(s.output) for s in running)))
         longest = max(len(s.prompt) + len(s.output) for s in running) + steps
-        want_top = self.config.max_logprobs if any(s.params.logprobs is not None for s in running) else 0
         self.pool, (toks, lps, top_ids, top_lps) = self._programs.decode(
             self.pool, rows, jnp.asarray(active), jnp.asarray(steps, jnp.int32), kv_len=self._kv_bucket(longest),
-            max_steps=self.config.decode_steps, top_k=want_top)
+            max_steps=self.config.decode_steps, top_k=self.config.max_logprobs)
         toks, lps, top_ids, top_lps = (np.asarray(x) for x in (toks, lps, top_ids, top_lps))
         for seq in running:
             i = index[seq.slot]
