@@ -12,6 +12,7 @@ import pytest
 import qjax
 from qjax.builtin import default_model_dir
 from qjax.serving import Engine, EngineConfig, EngineError, SamplingParams
+from serve_util import alone
 
 _TRACES = []
 jax.monitoring.register_event_duration_secs_listener(
@@ -33,23 +34,6 @@ def engine(model):
 
 def eos_of(model) -> tuple[int, ...]:
     return tuple(model.generation_config.eos_token_id)
-
-
-def alone(model, prompt, sp: SamplingParams, width: int = 128) -> list[int]:
-    """qjax.generate on this one prompt, cut after its first stop token (generate pads after it). The prompt is
-    left-padded to ``width`` (masked: generate gives a padded row exactly its unpadded tokens, tests/test_generate.py)
-    so that references of different lengths share compiled programs."""
-    eos = list(eos_of(model))
-    ids = np.zeros((1, width), np.int32)
-    mask = np.zeros((1, width), np.int32)
-    ids[0, width - len(prompt):], mask[0, width - len(prompt):] = prompt, 1
-    out = qjax.generate(model, ids, attention_mask=mask, max_new_tokens=sp.max_tokens, do_sample=not sp.greedy,
-                        temperature=1.0 if sp.greedy else sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
-                        seed=sp.seed or 0, eos_token_id=eos)[0, width:].tolist()
-    for i, t in enumerate(out):
-        if t in eos:
-            return out[:i + 1]
-    return out
 
 
 GREEDY = dict(temperature=0.0)

@@ -13,9 +13,10 @@ stop accepting, cancel what is in flight, exit 0.
 from __future__ import annotations
 
 import argparse
-import logging
+import contextlib
 import os
 import re
+import signal
 import socket
 import sys
 
@@ -354,7 +355,22 @@ def serve_app(app, engine, host: str, port: int, log_level: str) -> int:
     bound = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False,
                             timeout_keep_alive=30)
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        # uvicorn re-raises a captured SIGTERM after its graceful shutdown (the process then dies of it); a server
+        # asked to stop should instead finish its shutdown and exit 0, so the handlers are qjax's
+        def capture_signals(self):
+            return contextlib.nullcontext()
+
+    server = Server(config)
+
+    def stop(signum, frame):
+        if server.should_exit:  # a second Ctrl-C: do not wait for in-flight requests
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
     engine.start()
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"qjax serve: listening on http://{shown}:{bound}", flush=True)

@@ -1,0 +1,374 @@
+"""``qjax serve`` as its users meet it: a live server on 127.0.0.1 (the built-in model, float32) driven by the official
+``openai`` client, lm-eval's own ``local-completions`` / ``local-chat-completions`` models, 64 concurrent clients,
+broken requests, a client that walks away, SIGTERM; a mesh server; the seed model cards' ``vllm serve`` lines.
+
+Every token a request gets must equal what ``qjax.generate`` gives that request alone (greedy and seeded)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+import requests
+
+import qjax
+from eval_tasks import austen_tasks
+from qjax.builtin import default_model_dir
+from qjax.serving import SamplingParams
+from qjax.tokenizer import Tokenizer
+from serve_util import Server, alone
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-qjax-test"
+NAME = "qjax-test"
+ARGS = [default_model_dir(), "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "256", "--served-model-name", NAME, "--api-key", KEY, "--seed", "0"]
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server(ARGS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return qjax.load_model(default_model_dir(), dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_folder(default_model_dir())
+
+
+def eos(model):
+    return tuple(model.generation_config.eos_token_id)
+
+
+def _post(server, path: str, body: dict, **kw) -> requests.Response:
+    return requests.post(server.url + path, json=body, headers=AUTH, timeout=300, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the openai client
+# ---------------------------------------------------------------------------------------------------------------------
+def test_openai_client(server, model, tok):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    assert [m.id for m in client.models.list().data] == [NAME]
+    prompt = "It is a truth universally acknowledged"
+    ids = tok.encode(prompt)
+
+    greedy = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    want = alone(model, ids, SamplingParams(max_tokens=16, temperature=0))
+    assert greedy.choices[0].model_extra["token_ids"] == want
+    assert greedy.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert greedy.usage.prompt_tokens == len(ids) and greedy.usage.completion_tokens == len(want)
+
+    sp = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, top_k=20, seed=7)
+    sampled = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0.8, top_p=0.95,
+                                        seed=7, extra_body={"top_k": 20, "return_token_ids": True})
+    assert sampled.choices[0].model_extra["token_ids"] == alone(model, ids, sp)
+
+    messages = [{"role": "system", "content": "You are a novelist."}, {"role": "user", "content": "Who is Emma?"}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    chat_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    want_chat = alone(model, chat_ids, SamplingParams(max_tokens=12, temperature=0))
+    assert chat.choices[0].model_extra["token_ids"] == want_chat
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == tok.decode(want_chat, skip_special_tokens=True)
+
+    pieces = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == greedy.choices[0].text
+    assert pieces[-1].usage.completion_tokens == len(want) and pieces[-2].choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+
+    # log-probabilities: top-k alternatives in both shapes
+    lp = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0, logprobs=True,
+                                        top_logprobs=3)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy: the top token
+    stop = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stop=[" the"])
+    full = greedy.choices[0].text
+    if " the" in full:
+        assert stop.choices[0].text == full[:full.index(" the")] and stop.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# lm-eval through the endpoint vs lm-eval on qjax directly
+# ---------------------------------------------------------------------------------------------------------------------
+def test_lm_eval_through_the_server_equals_qjax_lm_eval(server, tmp_path, monkeypatch):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import qjax.lm_eval_adapter  # noqa: F401 (registers "qjax")
+
+    austen_tasks(tmp_path / "tasks")
+    for k, v in {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+                 "OPENAI_API_KEY": KEY, "TOKENIZERS_PARALLELISM": "false"}.items():
+        monkeypatch.setenv(k, v)
+    tm = TaskManager(include_path=str(tmp_path / "tasks"))
+
+    def run(model, args, tasks, **kw):
+        out = lm_eval.simple_evaluate(model=model, model_args=args, tasks=tasks, task_manager=tm, limit=16,
+                                      log_samples=True, **kw)
+        return out["results"], out["samples"]
+
+    direct, direct_s = run("qjax", f"pretrained={default_model_dir()},dtype=float32,batch_size=8",
+                           ["qjax_austen_mc", "qjax_austen_ppl"])
+    # seed 003's way: the Hugging Face tokenizer on the client, token ids on the wire, batches of requests
+    served, served_s = run("local-completions", f"model={NAME},base_url={server.url}/v1/completions,"
+                           f"tokenizer_backend=huggingface,tokenizer={default_model_dir()},tokenized_requests=True,"
+                           "num_concurrent=1,max_retries=1,max_length=256,batch_size=8", ["qjax_austen_mc"])
+    # the tokenizer found through the server's /tokenizer_info and /tokenize (lm-eval's default probe)
+    remote, remote_s = run("local-completions", f"model={NAME},base_url={server.url}/v1/completions,"
+                           "tokenized_requests=True,num_concurrent=4,max_retries=1,max_length=256", ["qjax_austen_ppl"])
+    assert served["qjax_austen_mc"]["acc,none"] == direct["qjax_austen_mc"]["acc,none"]
+    def loglikelihoods(samples, task) -> dict[int, list[float]]:
+        """doc id → the log-likelihood of each of its requests ((ll, is_greedy) or a rolling ll)."""
+        one = lambda r: float(r[0]) if isinstance(r, (list, tuple)) else float(r)  # noqa: E731
+        return {s["doc_id"]: [one(r[0]) for r in s["resps"]] for s in samples[task]}
+
+    for task, samples in (("qjax_austen_mc", served_s), ("qjax_austen_ppl", remote_s)):
+        want, got = loglikelihoods(direct_s, task), loglikelihoods(samples, task)
+        assert set(got) == set(want) and all(len(got[d]) == len(want[d]) for d in want)
+        # the engine prefills in chunks what the adapter scores in one forward: float32 noise only
+        diff = max(abs(g - w) for d in want for g, w in zip(got[d], want[d]))
+        assert diff <= 1e-4, (task, diff)
+    assert remote["qjax_austen_ppl"]["word_perplexity,none"] == pytest.approx(
+        direct["qjax_austen_ppl"]["word_perplexity,none"], rel=1e-5)
+
+    # generation through the chat endpoint with the folder's chat template
+    direct_g, direct_gs = run("qjax", f"pretrained={default_model_dir()},dtype=float32,batch_size=4",
+                              ["qjax_austen_gen"], apply_chat_template=True)
+    chat_g, chat_gs = run("local-chat-completions", f"model={NAME},base_url={server.url}/v1/chat/completions,"
+                          "num_concurrent=2,max_retries=1,max_length=256", ["qjax_austen_gen"], apply_chat_template=True)
+    assert chat_g["qjax_austen_gen"]["exact_match,none"] == direct_g["qjax_austen_gen"]["exact_match,none"]
+    resp = lambda s: {x["doc_id"]: x["resps"][0][0] for x in s["qjax_austen_gen"]}  # noqa: E731
+    assert resp(chat_gs) == resp(direct_gs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# load: 64 clients
+# ---------------------------------------------------------------------------------------------------------------------
+def test_64_concurrent_clients(server, model):
+    """64 clients × 3 requests drawn from 48 distinct ones (mixed prompt and output lengths, greedy and seeded,
+    some streamed): the same request served at the same time to several clients must give each the same tokens,
+    and those of the request run alone."""
+    rng = random.Random(5)
+    distinct = []
+    for i in range(48):
+        n = (5, 23, 60)[i % 3]
+        body = {"model": NAME, "prompt": [rng.randrange(4000) for _ in range(n)], "max_tokens": (4, 12)[i // 3 % 2],
+                "return_token_ids": True}
+        if i // 6 % 2:
+            body.update(temperature=0.8, top_p=0.95, top_k=20, seed=rng.randrange(1 << 30))
+        else:
+            body["temperature"] = 0
+        distinct.append(body)
+    jobs = [(c, {**rng.choice(distinct), "stream": rng.random() < 0.3}) for c in range(64) for _ in range(3)]
+
+    def call(body):
+        r = _post(server, "/v1/completions", body, stream=body["stream"])
+        assert r.status_code == 200, r.text
+        if not body["stream"]:
+            [choice] = r.json()["choices"]
+            return choice["token_ids"], choice["finish_reason"]
+        ids, reason = None, None
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    if choice["finish_reason"]:
+                        ids, reason = choice["token_ids"], choice["finish_reason"]
+        return ids, reason
+
+    def client(c):
+        return [(body, call(body)) for cc, body in jobs if cc == c]
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        results = [r for rs in pool.map(client, range(64)) for r in rs]
+    assert len(results) == 192
+    want = {}
+    for body in distinct:
+        sp = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"],
+                            top_p=body.get("top_p", 1.0), top_k=body.get("top_k", 0), seed=body.get("seed"))
+        want[json.dumps(body, sort_keys=True)] = alone(model, body["prompt"], sp, width=64)
+    for body, (ids, reason) in results:
+        key = json.dumps({k: v for k, v in body.items() if k != "stream"}, sort_keys=True)
+        assert ids == want[key], body
+        assert reason == ("length" if len(ids) == body["max_tokens"] else "stop")
+    m = server.metrics()
+    assert m["qjax:num_requests_running"] == 0 and m["qjax:num_requests_waiting"] == 0
+    assert m["qjax:generation_tokens_total"] >= sum(len(ids) for _, (ids, _) in results)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# faults
+# ---------------------------------------------------------------------------------------------------------------------
+def test_bad_requests_get_their_error_and_the_server_goes_on(server):
+    url = server.url
+    cases = [
+        (requests.post(url + "/v1/completions", data=b"{not json", headers=AUTH), 400, "malformed JSON"),
+        (requests.post(url + "/v1/completions", data=b"[1, 2]", headers=AUTH), 400, "JSON object"),
+        (_post(server, "/v1/completions", {"prompt": "x", "max_tokens": "many"}), 400, "max_tokens"),
+        (_post(server, "/v1/completions", {"prompt": 5}), 400, "prompt"),
+        (_post(server, "/v1/completions", {"prompt": "x", "model": "gpt-9"}), 404, "gpt-9"),
+        (_post(server, "/v1/completions", {"prompt": "x", "max_tokens": 300}), 400, "exceeds max_model_len 256"),
+        (_post(server, "/v1/completions", {"prompt": ""}), 400, "empty"),
+        (_post(server, "/v1/completions", {"prompt": [1, 99999]}), 400, "outside the vocabulary"),
+        (_post(server, "/v1/completions", {"prompt": "x", "temperature": -1}), 400, "temperature"),
+        (_post(server, "/v1/completions", {"prompt": "x", "repetition_penalty": 1.3}), 400, "repetition_penalty"),
+        (_post(server, "/v1/chat/completions", {"messages": []}), 400, "messages"),
+        (_post(server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}), 400, "role"),
+        (_post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}), 400, "only text parts"),
+        (requests.post(url + "/v1/completions", json={"prompt": "x"}), 401, "API key"),
+        (requests.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"}), 401,
+         "API key"),
+        (requests.get(url + "/v1/nothing", headers=AUTH), 404, "Not Found"),
+    ]
+    for r, status, text in cases:
+        assert r.status_code == status, (r.status_code, r.text)
+        err = r.json()["error"]
+        assert text in err["message"] and err["code"] == status and err["type"], err
+    prompt_len = len(Tokenizer.from_folder(default_model_dir()).encode("x"))
+    too_long = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 300}).json()["error"]["message"]
+    assert f"({prompt_len} tokens)" in too_long and "300" in too_long
+    ok = _post(server, "/v1/completions", {"prompt": "Once", "max_tokens": 3, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert requests.get(url + "/health").status_code == 200  # open routes need no key
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
+    r = _post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 240, "temperature": 0,
+                                          "ignore_eos": True, "stream": True}, stream=True)
+    lines = r.iter_lines()
+    for _ in range(3):
+        next(lines)
+    assert server.metrics()["qjax:num_requests_running"] == 1
+    r.close()  # the client goes away
+    deadline = time.monotonic() + 10
+    while server.metrics()["qjax:num_requests_running"] != 0:
+        assert time.monotonic() < deadline, "the aborted request still holds its slot"
+        time.sleep(0.05)
+    assert server.metrics().get("qjax:request_success_total", 0) >= 1
+
+
+def test_sigterm_stops_cleanly(server):
+    r = _post(server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0,
+                                          "ignore_eos": True, "stream": True}, stream=True)
+    next(r.iter_lines())
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0, "".join(server.stderr)[-3000:]
+    assert "stopped" in "".join(server.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a mesh, and the model cards' command lines
+# ---------------------------------------------------------------------------------------------------------------------
+def test_a_mesh_serves_the_same_tokens_as_one_device(model):
+    env = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
+    mesh = Server([*ARGS, "--mesh", "tensor=2,expert=2", "--no-warmup"], env=env)
+    try:
+        assert "4 devices" in "".join(mesh.stderr)
+        for body in ({"prompt": [3, 1, 4, 1, 5, 9, 2, 6], "max_tokens": 10, "temperature": 0},
+                     {"prompt": [2, 7, 1, 8, 2, 8], "max_tokens": 10, "temperature": 0.8, "top_p": 0.95, "seed": 3}):
+            got = _post(mesh, "/v1/completions", {**body, "return_token_ids": True}).json()["choices"][0]
+            sp = SamplingParams(max_tokens=10, temperature=body["temperature"], top_p=body.get("top_p", 1.0),
+                                seed=body.get("seed"))
+            assert got["token_ids"] == alone(model, body["prompt"], sp)
+    finally:
+        assert mesh.stop() == 0
+
+
+# The model cards' commands, verbatim but for `vllm` → `qjax` (the port and warm-up flags are appended)
+SEED_LINES = {
+    "000": "qjax serve Intel/Qwen3.6-35B-A3B-int2-mixed-AutoRound-LLMC --dtype bfloat16 --tensor-parallel-size 1 "
+           "--max-model-len 8192 --gpu-memory-utilization 0.85 --trust-remote-code "
+           "--served-model-name qwen-mixed-2bit --gdn-prefill-backend triton",
+    "002": "qjax serve axteam/Qwen3.6-35B-A3B-AWQ-8bit --max-model-len 32768 --kv-cache-dtype fp8",
+    "003": "qjax serve intel-ai/Qwen3.6-35B-A3B-MXFP8-FP8KV-CT-AutoRound --tokenizer Qwen/Qwen3.6-35B-A3B "
+           "--host 127.0.0.1 --port 8000 --trust-remote-code --dtype bfloat16 --max-model-len 131072 "
+           "--tensor-parallel-size 2 --data-parallel-size 2 --data-parallel-size-local 2 --enable-expert-parallel "
+           "--kv-cache-dtype fp8 --max-num-seqs 32 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.90",
+}
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory) -> Path:
+    """A Hugging Face cache holding the seed cards' repositories: the built-in model's files, its config stretched
+    to 262144 positions like the real one's (the weights are the same)."""
+    root = tmp_path_factory.mktemp("hf-hub")
+    for repo in ("Intel/Qwen3.6-35B-A3B-int2-mixed-AutoRound-LLMC", "axteam/Qwen3.6-35B-A3B-AWQ-8bit",
+                 "intel-ai/Qwen3.6-35B-A3B-MXFP8-FP8KV-CT-AutoRound", "Qwen/Qwen3.6-35B-A3B"):
+        base = root / ("models--" + repo.replace("/", "--"))
+        snap = base / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+        shutil.copytree(default_model_dir(), snap, ignore=shutil.ignore_patterns("*.txt", "training_log.json"))
+        cfg = json.loads((snap / "config.json").read_text())
+        cfg["max_position_embeddings"] = 262144
+        (snap / "config.json").write_text(json.dumps(cfg))
+        (base / "refs").mkdir()
+        (base / "refs" / "main").write_text(snap.name)
+    return root
+
+
+@pytest.mark.parametrize("card", sorted(SEED_LINES))
+def test_the_model_cards_serve_lines_start_a_server(card, hub_cache):
+    argv = SEED_LINES[card].split()[2:]
+    env = {"HF_HUB_CACHE": str(hub_cache), "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                                                        + " --xla_force_host_platform_device_count=4").strip()}
+    s = Server([*argv, "--no-warmup"], env=env)
+    try:
+        names = [m["id"] for m in requests.get(s.url + "/v1/models", timeout=30).json()["data"]]
+        served = "qwen-mixed-2bit" if card == "000" else argv[0]
+        assert names == [served]
+        log = "".join(s.stderr)
+        assert "memory plan" in log
+        if card != "002":
+            assert "--trust-remote-code: ignored" in log
+        if card == "003":
+            assert "tensor=2, expert=2" in log and "4 devices" in log
+        if card == "002":  # the card's curl: a chat request
+            r = requests.post(s.url + "/v1/chat/completions", timeout=300, json={
+                "model": served, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                "chat_template_kwargs": {"enable_thinking": False}})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    finally:
+        assert s.stop() == 0
+
+
+def test_unknown_flags_and_impossible_plans_are_refused(tmp_path):
+    import subprocess
+    import sys
+
+    def serve(*args):
+        return subprocess.run([sys.executable, "-m", "qjax.cli", "serve", default_model_dir(), *args],
+                              capture_output=True, text=True, timeout=300)
+
+    r = serve("--no-such-flag")
+    assert r.returncode == 2 and "unrecognized arguments: --no-such-flag" in r.stderr
+    r = serve("--max-model-len", "4096", "--max-num-seqs", "100000")
+    assert r.returncode == 2 and "at most" in r.stderr and "--max-num-seqs" in r.stderr, r.stderr[-2000:]
+    r = serve("--max-model-len", "9000")
+    assert r.returncode == 2 and "max_position_embeddings 4096" in r.stderr
+    r = serve("--speculative-config", '{"method": "mtp"}')
+    assert r.returncode == 2 and "not implemented" in r.stderr
