@@ -3,7 +3,9 @@
 #   benchmarks/gpu/run.sh kernels   GPU correctness (Pallas vs reference) and all kernel timings, one table, < 8 min
 #   benchmarks/gpu/run.sh e2e       full-size Qwen3.6-35B-A3B, random weights: prefill/decode/TTFT/memory per
 #                                   recipe + per-op profile of batch-1 decode, one table, < 8 min (issue 8)
-#   benchmarks/gpu/run.sh           both (only when the session has the device time for two phases)
+#   benchmarks/gpu/run.sh serve     the serving engine at full size (random weights, w2w4): tokens/s, TTFT and ITL
+#                                   at concurrency 1, 8, 32 vs sequential qjax.generate, one table, < 8 min (issue 17)
+#   benchmarks/gpu/run.sh           all three (only when the session has the device time for them)
 # Results land in $OUT (kernels.txt, e2e.md, e2e.json); copy the tables into benchmarks/RESULTS.md.
 # The GPU image cannot install packages, so qjax is made importable from the working tree through a symlinked
 # package folder (kernels/ -> qjax.kernels, convert/ -> qjax.convert), exactly as pyproject maps them.
@@ -11,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 PHASE=${1:-all}
-case "$PHASE" in kernels|e2e|all) ;; *) echo "usage: $0 [kernels|e2e|all]" >&2; exit 2;; esac
+case "$PHASE" in kernels|e2e|serve|all) ;; *) echo "usage: $0 [kernels|e2e|serve|all]" >&2; exit 2;; esac
 PKG=$(mktemp -d)
 mkdir -p "$PKG/qjax"
 for f in "$ROOT"/qjax/*; do ln -s "$f" "$PKG/qjax/$(basename "$f")"; done
@@ -36,4 +38,8 @@ if [[ $PHASE == e2e || $PHASE == all ]]; then
   timeout 460 python3 benchmarks/e2e.py --full --no-write --out "$OUT" --timeout 200 --baseline w2w4 \
     --recipes ${RECIPES:-w2w4,w8a16-g32,mxfp8-experts,bf16} 2>&1 | tee "$OUT/e2e.txt" || true
   test -s "$OUT/e2e.md"
+fi
+if [[ $PHASE == serve || $PHASE == all ]]; then
+  timeout 460 python3 benchmarks/serve.py --model full --recipe w2w4 --dtype bfloat16 --prompt 512 --output 128 \
+    --concurrency 1,8,32 --repeats 3 --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt"
 fi

@@ -1,0 +1,79 @@
+"""qjax.cache: rows at their own lengths, addressed by row, in right-padded chunks: a forward on any subset of a
+cache's rows (in any order, with padding rows and a shorter attention window) gives each row the logits of its
+sequence run alone, and leaves the other rows untouched."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import qjax
+from qjax.builtin import default_model_dir
+
+TOL = 1e-4  # the cached-vs-full tolerance of tests/test_generate.py
+
+
+@pytest.fixture(scope="module")
+def model():
+    return qjax.load_model(default_model_dir(), dtype=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _fwd(graphdef, state, cache, ids, mask, rows, kv_len):
+    out = nnx.merge(graphdef, state).forward(ids, attention_mask=mask, cache=cache, cache_rows=rows, kv_len=kv_len)
+    return out.logits, out.cache
+
+
+def test_rows_in_chunks_equal_each_sequence_alone(model):
+    g, s = nnx.split(model)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 4000, 45).tolist(), rng.integers(0, 4000, 11).tolist()
+    cache = model.init_cache(3, 128)
+
+    def chunk(rows_tokens, width, rows, kv_len=64):
+        nonlocal cache
+        ids = np.zeros((len(rows_tokens), width), np.int32)
+        mask = np.zeros((len(rows_tokens), width), np.int32)
+        for i, toks in enumerate(rows_tokens):
+            ids[i, :len(toks)], mask[i, :len(toks)] = toks, 1
+        logits, cache = _fwd(g, s, cache, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(rows, jnp.int32), kv_len)
+        return np.asarray(logits)
+
+    # row 0: a in chunks of 32 and 13 (right-padded to 32); row 2: b alone; the last batch row is padding (index 3)
+    first = chunk([a[:32], b, []], 32, [0, 2, 3])
+    second = chunk([a[32:]], 32, [0])
+    full_a, full_b = np.asarray(model(np.asarray([a])))[0], np.asarray(model(np.asarray([b])))[0]
+    assert np.abs(first[0] - full_a[:32]).max() <= TOL
+    assert np.abs(second[0, :13] - full_a[32:]).max() <= TOL
+    assert np.abs(first[1, :11] - full_b).max() <= TOL
+    assert np.asarray(cache.lengths).tolist() == [45, 0, 11] and not np.asarray(cache.key_valid)[1].any()
+    # decode both, listed in the other order and next to a padding row, each at its own position
+    na, nb = int(full_a[-1].argmax()), int(full_b[-1].argmax())
+    step = chunk([[nb], [na], []], 1, [2, 0, 3])
+    want_a = np.asarray(model(np.asarray([a + [na]])))[0, -1]
+    want_b = np.asarray(model(np.asarray([b + [nb]])))[0, -1]
+    assert np.abs(step[1, 0] - want_a).max() <= TOL and np.abs(step[0, 0] - want_b).max() <= TOL
+    assert np.asarray(cache.positions).tolist() == [46, 0, 12]
+    # row 1 was never written: its GDN states are still zero
+    for slot in cache.slots:
+        for leaf in jax.tree.leaves(slot):
+            if leaf.dtype == jnp.float32 and leaf.ndim >= 4 and not hasattr(slot, "k"):
+                assert not np.asarray(leaf[:, 1]).any()
+
+
+def test_reset_rows_empties_only_those_rows(model):
+    cache = model.init_cache(3, 16)
+    cache = cache.replace(lengths=jnp.array([5, 6, 7]), positions=jnp.array([5, 6, 7]),
+                          key_valid=jnp.ones((3, 16), bool),
+                          slots=tuple(jax.tree.map(jnp.ones_like, sl) for sl in cache.slots))
+    out = cache.reset_rows(jnp.array([1, 3]))  # 3: out of range, ignored
+    assert np.asarray(out.lengths).tolist() == [5, 0, 7] and np.asarray(out.positions).tolist() == [5, 0, 7]
+    assert np.asarray(out.key_valid).sum(1).tolist() == [16, 0, 16]
+    for sl in out.slots:
+        if hasattr(sl, "conv"):
+            assert not np.asarray(sl.recurrent[:, 1]).any() and np.asarray(sl.recurrent[:, 0]).all()
