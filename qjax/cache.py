@@ -83,34 +83,63 @@ class Cache:
 # ---------------------------------------------------------------------------------------------------------------------
 # row-addressed access (the model's layers read and write their cache entries only through these)
 # ---------------------------------------------------------------------------------------------------------------------
-def gather_rows(x: jnp.ndarray, rows: jnp.ndarray | None) -> jnp.ndarray:
-    """``x [B, …]`` at ``rows [b]`` (None: all rows in order); out-of-range rows read the last row (padding)."""
-    return x if rows is None else x.at[rows].get(mode="clip")
+# ``rows`` says which cache rows a batch's rows are: None (all rows, in order), an int ``b`` (the first b rows: read
+# by slicing and written by dynamic-update-slice, in place) or an int32 array ``[b]`` of row indices (any rows, any
+# order; out-of-range entries are padding rows: read clamped, never written). Arrays cost a gather and a scatter
+# per layer; the serving engine decodes a prefix of rows (its running sequences kept in the lowest slots) and
+# prefills with index arrays.
+Rows = jnp.ndarray | int | None
 
 
-def scatter_rows(x: jnp.ndarray, rows: jnp.ndarray | None, value: jnp.ndarray) -> jnp.ndarray:
-    """``x [B, …]`` with ``value [b, …]`` written at ``rows`` (None: all rows); out-of-range rows are dropped."""
-    return value if rows is None else x.at[rows].set(value, mode="drop")
+def gather_rows(x: jnp.ndarray, rows: Rows) -> jnp.ndarray:
+    """``x [B, …]`` at ``rows`` → ``[b, …]``."""
+    if rows is None:
+        return x
+    if isinstance(rows, int):
+        return x[:rows]
+    return x.at[rows].get(mode="clip")
 
 
-def read_layer(stack: jnp.ndarray, group, rows: jnp.ndarray | None) -> jnp.ndarray:
-    """Layer ``group`` of a ``[G, B, …]`` cache stack at ``rows`` → ``[b, …]``."""
-    return gather_rows(jax.lax.dynamic_index_in_dim(stack, group, 0, keepdims=False), rows)
+def scatter_rows(x: jnp.ndarray, rows: Rows, value: jnp.ndarray) -> jnp.ndarray:
+    """``x [B, …]`` with ``value [b, …]`` written at ``rows``."""
+    if rows is None:
+        return value
+    if isinstance(rows, int):
+        return jax.lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), 0, 0)
+    return x.at[rows].set(value, mode="drop")
 
 
-def write_layer(stack: jnp.ndarray, group, rows: jnp.ndarray | None, value: jnp.ndarray) -> jnp.ndarray:
+def read_layer(stack: jnp.ndarray, group, rows: Rows, slots: int | None = None) -> jnp.ndarray:
+    """Layer ``group`` of a ``[G, B, …]`` cache stack at ``rows`` → ``[b, …]``; ``slots``: of a K/V stack
+    ``[G, B, H, S, D]`` only the first ``slots`` slots. An index array is one gather of just those rows (slicing the
+    layer out first would copy all B rows of it)."""
+    if rows is None or isinstance(rows, int):
+        size = list(stack.shape)
+        size[0] = 1
+        if rows is not None:
+            size[1] = rows
+        if slots is not None:
+            size[3] = slots
+        return jax.lax.dynamic_slice(stack, (group,) + (0,) * (stack.ndim - 1), size)[0]
+    if slots is None:
+        return stack.at[group, rows].get(mode="clip")
+    return stack.at[group, rows, :, :slots].get(mode="clip")
+
+
+def write_layer(stack: jnp.ndarray, group, rows: Rows, value: jnp.ndarray) -> jnp.ndarray:
     """``stack [G, B, …]`` with layer ``group``'s ``rows`` replaced by ``value [b, …]`` (in place under jit)."""
     value = value.astype(stack.dtype)
-    if rows is None:
-        return jax.lax.dynamic_update_index_in_dim(stack, value, group, 0)
+    if rows is None or isinstance(rows, int):
+        start = (group,) + (0,) * (stack.ndim - 1)
+        return jax.lax.dynamic_update_slice(stack, value[None], start)
     return stack.at[group, rows].set(value, mode="drop")
 
 
-def write_tokens(stack: jnp.ndarray, group, rows: jnp.ndarray | None, slots: jnp.ndarray,
-                 value: jnp.ndarray) -> jnp.ndarray:
+def write_tokens(stack: jnp.ndarray, group, rows: Rows, slots: jnp.ndarray, value: jnp.ndarray) -> jnp.ndarray:
     """A K/V stack ``[G, B, H, S, D]`` with ``value [b, T, H, D]`` written at layer ``group``, row ``rows[i]``, slot
     ``slots[i, t]``; slots ≥ S (padding tokens) and out-of-range rows are dropped."""
     b, t = slots.shape
-    r = jnp.broadcast_to((jnp.arange(b, dtype=jnp.int32) if rows is None else rows)[:, None], (b, t))
+    r = jnp.arange(b, dtype=jnp.int32) if rows is None or isinstance(rows, int) else rows
+    r = jnp.broadcast_to(r[:, None], (b, t))
     # advanced indices split by a slice put their [b, T] dims first: the update is [b, T, H, D]
     return stack.at[group, r, :, slots].set(value.astype(stack.dtype), mode="drop")

@@ -95,7 +95,7 @@ class GatedAttention(nnx.Module):
                          v=write_tokens(kv.v, g, rows, ctx.write_slot, new_v))
             # the first kv_len slots of this layer's rows, [B, Hkv, kv_len, D]: what the queries may read (this
             # call's tokens included)
-            keys, values = (read_layer(c, g, rows)[:, :, :ctx.kv_len] for c in (kv.k, kv.v))
+            keys, values = (read_layer(c, g, rows, ctx.kv_len) for c in (kv.k, kv.v))
             if fp8:
                 keys = (keys.astype(jnp.float32) * ks[:, None]).astype(x.dtype)
                 values = (values.astype(jnp.float32) * vs[:, None]).astype(x.dtype)
@@ -453,8 +453,9 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
           last_only: compute logits for the last position only (generation).
           output_hidden_states: also return the embeddings and every layer's output (before the final norm) as
             ``hidden_states [L + 1, B, T, H]`` — transformers' ``output_hidden_states`` minus its final-norm entry.
-          cache_rows: ``[B]`` int32, the cache row of each batch row (None: row i is cache row i; the cache then has
-            exactly B rows). Out-of-range entries are padding rows: read clamped, never written.
+          cache_rows: which cache rows the batch rows are (:data:`qjax.cache.Rows`): None (row i is cache row i; the
+            cache has exactly B rows), an int B (the cache's first B rows) or a ``[B]`` int32 array of rows, whose
+            out-of-range entries are padding rows (read clamped, never written).
           kv_len: attention reads cache slots ``[0, kv_len)`` only (static; every row's tokens must lie below it).
             None: the whole cache.
         """

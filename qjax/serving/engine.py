@@ -14,8 +14,9 @@ own thread) and issues at most two device programs, both compiled for a few buck
   this chunk draws its first token from the last real position's logits. Prompt log-probabilities are computed
   here when asked for.
 - **decode**: one token (up to ``decode_steps`` tokens while nothing waits) for every running sequence, reading and
-  writing only their rows (a bucket of rows, padding rows are never written) and only the first ``kv_len`` cache
-  slots (a bucket ≥ the longest row).
+  writing in place the first rows of the pool (a bucket ≥ the running count; the engine keeps running sequences in
+  the lowest slots, swapping rows when one finishes out of order) and only the first ``kv_len`` cache slots (a
+  bucket ≥ the longest row); rows in the bucket that are not decoding are masked out.
 
 A request alone and a request in any batch run the same arithmetic on their own row: float32 greedy tokens equal
 ``qjax.generate``'s for that prompt, and a seeded request draws with ``jax.random.key(seed)`` split once per token,
@@ -170,7 +171,7 @@ class _Programs:
             return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
         def prefill(leaves, pool: Pool, rows, ids, n, reset, final, key_data, sampling: SamplingArrays, targets,
-                    *, kv_len: int, top_k: int, prompt_top_k: int | None):
+                    *, kv_len: int, top_k: int | None, prompt_top_k: int | None):
             model = merged(leaves)
             cache = pool.cache.reset_rows(jnp.where(reset, rows, pool.cache.batch_size))
             mask = jnp.arange(ids.shape[1])[None, :] < n[:, None]
@@ -180,7 +181,7 @@ class _Programs:
             keys = jnp.where(reset[:, None], key_data, gather_rows(pool.keys, rows))
             keep, sub = split_keys(jax.random.wrap_key_data(keys))
             tok = sample(logits, sub, sampling)
-            lp = token_logprobs(logits, tok, top_k)
+            lp = token_logprobs(logits, tok, top_k) if top_k is not None else _no_logprobs(tok)
             keep = jnp.where(final[:, None], jax.random.key_data(keep), keys)
             old = gather_rows(pool.tokens, rows)
             pool = Pool(cache=out.cache, tokens=scatter_rows(pool.tokens, rows, jnp.where(final, tok, old)),
@@ -191,7 +192,8 @@ class _Programs:
                 prompt = _prompt_logprobs(model, out.hidden, targets, prompt_top_k)
             return pool, tok, lp, prompt
 
-        def decode(leaves, pool: Pool, rows, active, steps, *, kv_len: int, max_steps: int, top_k: int):
+        def decode(leaves, pool: Pool, active, steps, *, rows: int | None, kv_len: int, max_steps: int,
+                   top_k: int | None):
             model = merged(leaves)
             sampling = _row_fields(pool.sampling, rows)
 
@@ -204,28 +206,54 @@ class _Programs:
                 logits = fwd.logits[:, 0]
                 keep, sub = split_keys(jax.random.wrap_key_data(keys))
                 new = sample(logits, sub, sampling)
-                lp = token_logprobs(logits, new, top_k)
+                lp = token_logprobs(logits, new, top_k) if top_k is not None else _no_logprobs(new)
                 pool = pool.replace(
                     cache=fwd.cache, tokens=scatter_rows(pool.tokens, rows, jnp.where(active, new, tok)),
                     keys=scatter_rows(pool.keys, rows, jnp.where(active[:, None], jax.random.key_data(keep), keys)))
                 out = jax.tree.map(lambda buf, v: buf.at[i].set(v), out, (new, *lp))
                 return pool, out
 
-            b = active.shape[0]
+            b, k = active.shape[0], top_k or 0
             out = (jnp.zeros((max_steps, b), jnp.int32), jnp.zeros((max_steps, b), jnp.float32),
-                   jnp.zeros((max_steps, b, top_k), jnp.int32), jnp.zeros((max_steps, b, top_k), jnp.float32))
+                   jnp.zeros((max_steps, b, k), jnp.int32), jnp.zeros((max_steps, b, k), jnp.float32))
             return jax.lax.fori_loop(0, steps, body, (pool, out))
 
+        def swap(pool: Pool, a, b):
+            """Exchange rows a and b of every per-row array of the pool (its cache rows included)."""
+            def one(x, axis):
+                ra, rb = (jax.lax.dynamic_index_in_dim(x, r, axis) for r in (a, b))
+                x = jax.lax.dynamic_update_index_in_dim(x, rb, a, axis)
+                return jax.lax.dynamic_update_index_in_dim(x, ra, b, axis)
+
+            cache = pool.cache
+            slots = jax.tree.map(lambda x: one(x, 1), cache.slots)  # [G, B, …]
+            rest = jax.tree.map(lambda x: one(x, 0), (cache.key_valid, cache.positions, cache.lengths, pool.tokens,
+                                                        pool.keys, pool.sampling))
+            key_valid, positions, lengths, tokens, keys, sampling = rest
+            return Pool(cache=Cache(slots=slots, key_valid=key_valid, positions=positions, lengths=lengths),
+                        tokens=tokens, keys=keys, sampling=sampling)
+
         self._prefill = jax.jit(prefill, donate_argnums=(1,), static_argnames=("kv_len", "top_k", "prompt_top_k"))
-        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("kv_len", "max_steps", "top_k"))
+        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("rows", "kv_len", "max_steps", "top_k"))
+        self._swap = jax.jit(swap, donate_argnums=(0,))
 
     def prefill(self, pool, *args, kv_len, top_k, prompt_top_k):
         self._note(("prefill", args[1].shape, kv_len, top_k, prompt_top_k))
         return self._prefill(self.leaves, pool, *args, kv_len=kv_len, top_k=top_k, prompt_top_k=prompt_top_k)
 
-    def decode(self, pool, rows, active, steps, *, kv_len, max_steps, top_k):
-        self._note(("decode", None if rows is None else rows.shape, active.shape, kv_len, max_steps, top_k))
-        return self._decode(self.leaves, pool, rows, active, steps, kv_len=kv_len, max_steps=max_steps, top_k=top_k)
+    def decode(self, pool, active, steps, *, rows, kv_len, max_steps, top_k):
+        self._note(("decode", rows, kv_len, max_steps, top_k))
+        return self._decode(self.leaves, pool, active, steps, rows=rows, kv_len=kv_len, max_steps=max_steps,
+                            top_k=top_k)
+
+    def swap(self, pool, a: int, b: int):
+        self._note(("swap",))
+        return self._swap(pool, jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
+def _no_logprobs(tokens):
+    empty = jnp.zeros((*tokens.shape, 0))
+    return jnp.zeros(tokens.shape, jnp.float32), empty.astype(jnp.int32), empty
 
 
 PROMPT_CHUNK = 64  # prompt positions whose [P, chunk, vocab] logits exist at once
@@ -355,10 +383,9 @@ class Engine:
         kv = self._kv_bucket(1)
         sizes = sorted({min(self._round_rows(bucket(n, 1, b)), b) for n in range(1, b + 1)})
         for size in sizes:
-            rows = None if size >= b else jnp.full((size,), b, jnp.int32)
-            self.pool, _ = self._programs.decode(self.pool, rows, jnp.zeros((size,), bool), jnp.asarray(1, jnp.int32),
-                                                 kv_len=kv, max_steps=self.config.decode_steps,
-                                                 top_k=self.config.max_logprobs)
+            self.pool, _ = self._programs.decode(self.pool, jnp.zeros((size,), bool), jnp.asarray(1, jnp.int32),
+                                                 rows=None if size >= b else size, kv_len=kv,
+                                                 max_steps=self.config.decode_steps, top_k=None)
         t = min(MIN_CHUNK_BUCKET, cap)
         p = self._round_rows(1)
         while True:
@@ -366,7 +393,7 @@ class Engine:
             self.pool, *_ = self._programs.prefill(
                 self.pool, jnp.full((p,), b, jnp.int32), z((p, t)), z((p,)), jnp.zeros((p,), bool),
                 jnp.zeros((p,), bool), jnp.zeros((p, 2), jnp.uint32), SamplingArrays.zeros(p), z((p, t)),
-                kv_len=self._kv_bucket(t), top_k=self.config.max_logprobs, prompt_top_k=None)
+                kv_len=self._kv_bucket(t), top_k=None, prompt_top_k=None)
             if t >= cap:
                 break
             t = min(t * 4, cap)
@@ -552,7 +579,7 @@ class Engine:
         key_data = np.zeros((p, 2), np.uint32)
         do_sample, temperature, top_k, top_p = np.zeros(p, bool), np.ones(p), np.zeros(p, np.int64), np.ones(p)
         end = 0
-        want_prompt = None
+        want_prompt = want_top = None
         for i, (seq, n) in enumerate(chunks):
             sp = seq.params
             rows[i] = seq.slot
@@ -568,11 +595,13 @@ class Engine:
             end = max(end, seq.cursor + n)
             if sp.prompt_logprobs is not None:
                 want_prompt = self.config.max_logprobs
+            if sp.logprobs is not None:
+                want_top = self.config.max_logprobs
         sampling = SamplingArrays.make(do_sample, temperature, top_k, top_p)
         self.pool, tok, lp, prompt = self._programs.prefill(
             self.pool, jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(n_arr), jnp.asarray(reset),
             jnp.asarray(final), jnp.asarray(key_data), sampling, jnp.asarray(targets), kv_len=self._kv_bucket(end),
-            top_k=self.config.max_logprobs, prompt_top_k=want_prompt)
+            top_k=want_top, prompt_top_k=want_prompt)
         tok, lp = np.asarray(tok), jax.tree.map(np.asarray, lp)
         prompt = None if prompt is None else jax.tree.map(np.asarray, prompt)
         now = time.monotonic()
@@ -596,31 +625,42 @@ class Engine:
                 self._accept(seq, [int(tok[i])], [_logprob(tok[i], lp[0][i], lp[1][i], lp[2][i], seq.params.logprobs)])
         return True
 
+    def _pack(self) -> None:
+        """Keep the decoding sequences in slots ``0 … n-1`` (the decode program reads a prefix of the pool's rows
+        in place): move any decoding sequence above that range into the lowest slot in it that is free or held by a
+        prefilling sequence (the two rows swap, states and all)."""
+        decoding = [s for s in self._slots if s is not None and s.state == DECODE]
+        n = len(decoding)
+        for seq in sorted((s for s in decoding if s.slot >= n), key=lambda s: s.slot):
+            hole = next(i for i in range(n) if self._slots[i] is None or self._slots[i].state != DECODE)
+            other = self._slots[hole]
+            self.pool = self._programs.swap(self.pool, seq.slot, hole)
+            self._slots[hole], self._slots[seq.slot] = seq, other
+            if other is not None:
+                other.slot = seq.slot
+            seq.slot = hole
+
     def _decode(self, max_steps: int) -> None:
+        self._pack()
         running = [s for s in self._slots if s is not None and s.state == DECODE]
         if not running:
             return
         b = self.config.max_num_seqs
-        slots = sorted(s.slot for s in running)
-        size = self._round_rows(bucket(len(slots), 1, b))
-        if size >= b:  # the whole pool in order (no gathers); the rows not decoding are masked out
-            rows, active = None, np.zeros(b, bool)
-            active[slots] = True
-            index = {slot: slot for slot in slots}
-        else:  # a bucket of rows; padding rows (index b) are read clamped and never written
-            rows_np = np.full(size, b, np.int32)
-            rows_np[:len(slots)] = slots
-            rows, active = jnp.asarray(rows_np), rows_np < b
-            index = {slot: i for i, slot in enumerate(slots)}
+        size = min(self._round_rows(bucket(len(running), 1, b)), b)
+        active = np.zeros(size, bool)
+        active[[s.slot for s in running]] = True  # rows past the running ones (free or prefilling) are masked out
         # no row gets more tokens than it may still produce, so none writes past its cache row
         steps = max(1, min(max_steps, *(s.params.max_tokens - len(s.output) for s in running)))
         longest = max(len(s.prompt) + len(s.output) for s in running) + steps
+        # log-probabilities (a log-softmax and a top-k over the vocabulary per step) only when someone asks
+        want = any(s.params.logprobs is not None for s in running)
         self.pool, (toks, lps, top_ids, top_lps) = self._programs.decode(
-            self.pool, rows, jnp.asarray(active), jnp.asarray(steps, jnp.int32), kv_len=self._kv_bucket(longest),
-            max_steps=self.config.decode_steps, top_k=self.config.max_logprobs)
+            self.pool, jnp.asarray(active), jnp.asarray(steps, jnp.int32), rows=None if size >= b else size,
+            kv_len=self._kv_bucket(longest), max_steps=self.config.decode_steps,
+            top_k=self.config.max_logprobs if want else None)
         toks, lps, top_ids, top_lps = (np.asarray(x) for x in (toks, lps, top_ids, top_lps))
         for seq in running:
-            i = index[seq.slot]
+            i = seq.slot
             lp = [_logprob(toks[j, i], lps[j, i], top_ids[j, i], top_lps[j, i], seq.params.logprobs)
                   for j in range(steps)]
             self._accept(seq, [int(t) for t in toks[:steps, i]], lp)
