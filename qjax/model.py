@@ -39,10 +39,10 @@ class StepContext:
     query_slot: jnp.ndarray  # [B or 1, T] int32, cache slot of each query (causality: key slot ≤ query slot)
     # with a cache: the cache slot each new token is written to ([B, T]; the cache length, i.e. dropped, at padding),
     # how many of the row's new tokens end at its last real one ([B]: where the GDN conv window ends), and which
-    # cache rows the batch rows are ([B] int32; None: all rows in order)
+    # cache rows the batch rows are (qjax.cache.Rows: None, a prefix length or an index array)
     write_slot: jnp.ndarray | None = None
     span: jnp.ndarray | None = None
-    rows: jnp.ndarray | None = None
+    rows: jnp.ndarray | int | None = None
     # [] int32 layer group being run when packed weights are read inside their [G, …] stack (see run_layers)
     stack_group: jnp.ndarray | None = None
     # [] int32 layer group being run, the index into the cache's [G, …] stacks (set inside the layer scan)
@@ -219,7 +219,7 @@ class GatedDeltaNet(nnx.Module):
             o = o[:, None]
         else:
             init = None if rec is None else read_layer(rec, cg, rows)
-            if t == 1:  # a subset of the cache's rows (gathered), or on a mesh (heads sharded: the reference)
+            if t == 1:  # some of the cache's rows, or on a mesh (heads sharded: the reference)
                 if init is None:
                     init = jnp.zeros((b, self.num_v_heads, self.head_k_dim, self.head_v_dim), jnp.float32)
                 o, s = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], init,
@@ -367,8 +367,8 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
 
     def _context(self, input_ids, attention_mask, position_ids, cache: Cache | None, rows=None,
                  kv_len: int | None = None):
-        """The call's :class:`StepContext` and its token mask ``[B, T]``; with a cache, row i of the batch is cache row
-        ``rows[i]`` (None: row i) and attention reads the first ``kv_len`` slots (None: all)."""
+        """The call's :class:`StepContext` and its token mask ``[B, T]``; with a cache, the batch's rows are the cache
+        rows ``rows`` (:data:`qjax.cache.Rows`) and attention reads the first ``kv_len`` slots (None: all)."""
         b, t = input_ids.shape
         mask = None if attention_mask is None else attention_mask.astype(bool)
         ones = jnp.ones((b, t), bool)

@@ -376,27 +376,28 @@ class Engine:
         return {"kv": kv, "state": state, "total": (kv + state) * max_num_seqs}
 
     def warmup(self) -> int:
-        """Compile the programs steady serving uses most, before the first request: decode at every batch bucket
-        and prefill of one sequence at every chunk bucket (both for the shortest ``kv_len`` bucket). The calls
-        touch no row (every row is padding). Returns the number of programs compiled so far."""
-        b, cap = self.config.max_num_seqs, self.config.max_num_batched_tokens
+        """Compile, before the first request, the programs steady serving uses: decode at every row bucket and
+        prefill at every (sequences, chunk) bucket, for the shortest ``kv_len`` bucket (longer contexts compile
+        their buckets on first use), and the row swap. The calls touch no row (every row is padding). Returns the
+        number of programs compiled so far."""
+        b = self.config.max_num_seqs
         kv = self._kv_bucket(1)
         sizes = sorted({min(self._round_rows(bucket(n, 1, b)), b) for n in range(1, b + 1)})
         for size in sizes:
             self.pool, _ = self._programs.decode(self.pool, jnp.zeros((size,), bool), jnp.asarray(1, jnp.int32),
                                                  rows=None if size >= b else size, kv_len=kv,
                                                  max_steps=self.config.decode_steps, top_k=None)
-        t = min(MIN_CHUNK_BUCKET, cap)
-        p = self._round_rows(1)
-        while True:
-            z = functools.partial(jnp.zeros, dtype=jnp.int32)
-            self.pool, *_ = self._programs.prefill(
-                self.pool, jnp.full((p,), b, jnp.int32), z((p, t)), z((p,)), jnp.zeros((p,), bool),
-                jnp.zeros((p,), bool), jnp.zeros((p, 2), jnp.uint32), SamplingArrays.zeros(p), z((p, t)),
-                kv_len=self._kv_bucket(t), top_k=None, prompt_top_k=None)
-            if t >= cap:
-                break
-            t = min(t * 4, cap)
+        z = functools.partial(jnp.zeros, dtype=jnp.int32)
+        for t in self._chunk_buckets():
+            p = 1
+            while p <= self._prefill_rows(t):
+                rows = self._round_rows(p)
+                self.pool, *_ = self._programs.prefill(
+                    self.pool, jnp.full((rows,), b, jnp.int32), z((rows, t)), z((rows,)), jnp.zeros((rows,), bool),
+                    jnp.zeros((rows,), bool), jnp.zeros((rows, 2), jnp.uint32), SamplingArrays.zeros(rows),
+                    z((rows, t)), kv_len=self._kv_bucket(t), top_k=None, prompt_top_k=None)
+                p *= 2
+        self.pool = self._programs.swap(self.pool, 0, 0)
         jax.block_until_ready(self.pool)
         return len(self.compiled)
 
@@ -551,6 +552,24 @@ class Engine:
     def _round_rows(self, n: int) -> int:
         return -(-n // self._data) * self._data
 
+    def _chunk_bucket(self, n: int) -> int:
+        cap = min(self.config.max_num_batched_tokens, self.config.max_model_len)  # a chunk is part of one prompt
+        return bucket(n, min(MIN_CHUNK_BUCKET, cap), cap, factor=4)
+
+    def _chunk_buckets(self) -> list[int]:
+        out, t = [], self._chunk_bucket(1)
+        while True:
+            out.append(t)
+            if t >= min(self.config.max_num_batched_tokens, self.config.max_model_len):
+                return out
+            t = self._chunk_bucket(t + 1)
+
+    def _prefill_rows(self, t: int) -> int:
+        """The most sequences one prefill call takes with chunks of bucket ``t``: a power of two whose chunks fit the
+        token budget (one at least), so the (sequences, chunk) buckets are a small fixed set."""
+        fit = max(1, min(self.config.max_num_batched_tokens // t, self.config.max_num_seqs))
+        return 1 << (fit.bit_length() - 1)
+
     def _kv_bucket(self, n: int) -> int:
         return bucket(n, min(MIN_KV_BUCKET, self.config.max_model_len), self.config.max_model_len)
 
@@ -566,9 +585,10 @@ class Engine:
             n = min(len(seq.prompt) - seq.cursor, budget)
             chunks.append((seq, n))
             budget -= n
-        cap = self.config.max_num_batched_tokens
-        t = bucket(max(n for _, n in chunks), min(MIN_CHUNK_BUCKET, cap), cap, factor=4)
-        p = self._round_rows(bucket(len(chunks), 1, self.config.max_num_seqs))
+        t = self._chunk_bucket(max(n for _, n in chunks))
+        most = self._prefill_rows(t)
+        chunks = chunks[:most]  # the rest wait for the next step
+        p = self._round_rows(bucket(len(chunks), 1, most))
         b = self.config.max_num_seqs
         rows = np.full(p, b, np.int32)
         ids = np.zeros((p, t), np.int32)
