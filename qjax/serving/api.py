@@ -294,10 +294,15 @@ class _Run:
                 self.params.append(sp)
 
     def submit(self) -> None:
+        def deliver(i: int, out) -> None:
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+            except RuntimeError:  # the event loop is gone (the server stopped): nobody waits for this output
+                pass
+
         for ch, sp in zip(self.choices, self.params):
-            callback = (lambda i: lambda out: self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out)))(
-                ch.index)
-            self.state.engine.add_request(ch.request_id, self.prompts[ch.prompt], sp, callback)
+            self.state.engine.add_request(ch.request_id, self.prompts[ch.prompt], sp,
+                                          lambda out, i=ch.index: deliver(i, out))
 
     def abort_unfinished(self) -> None:
         for ch in self.choices:

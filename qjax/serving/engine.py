@@ -718,8 +718,14 @@ class Engine:
             self._seqs.pop(seq.request_id, None)
             self.metrics.finished(reason, time.monotonic() - seq.arrival)
         prompt_lp, seq.prompt_logprobs = seq.prompt_logprobs, None
-        seq.callback(RequestOutput(seq.request_id, tokens, logprobs if seq.params.logprobs is not None else None,
-                                   prompt_lp, reason is not None, reason, stop_reason))
+        out = RequestOutput(seq.request_id, tokens, logprobs if seq.params.logprobs is not None else None, prompt_lp,
+                            reason is not None, reason, stop_reason)
+        try:
+            seq.callback(out)
+        except Exception:  # a consumer's failure is its own: the other requests keep running
+            logger.exception("output callback of request %s failed; aborting it", seq.request_id)
+            if reason is None:
+                self.abort(seq.request_id)
 
 
 def _logprob(token, lp, top_ids, top_lps, k: int | None) -> TokenLogprob | None:
