@@ -19,6 +19,7 @@ for _flag, _value in (("xla_backend_optimization_level", "0"), ("xla_llvm_disabl
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
 
 import atexit  # noqa: E402
+import gc  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -47,6 +48,35 @@ from hf_util import make_hf_model, odd_text_config, save_hf, tiny_text_config, w
 
 # The models are tiny: more threads only add scheduling noise and contend with parallel test workers.
 torch.set_num_threads(2)
+
+
+def _memory_maps() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+# Every executable XLA:CPU compiles holds ~3 memory mappings per kernel (a model forward ≈ 440, a generate ≈ 1,000),
+# and jax keeps them all in its caches. A test worker that runs a few hundred model programs reaches the kernel's
+# vm.max_map_count (65,530): the next compile or cache write then crashes the worker with a segfault (seen twice in
+# full runs, in backend_compile_and_load and in executable.serialize), and pytest-xdist hangs on the lost worker. So
+# each test module's programs are dropped when it ends (the persistent cache makes the next module's recompiles
+# cheap), and a test that leaves more than MAX_MAPS mappings behind drops them at once.
+MAX_MAPS = 30_000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs_after_each_module():
+    yield
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _keep_memory_maps_bounded():
+    yield
+    if _memory_maps() > MAX_MAPS:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
