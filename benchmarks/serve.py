@@ -21,18 +21,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 import numpy as np
+from report import append, describe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 
 
 def make_model(kind: str, recipe: str, dtype: str):
@@ -201,20 +197,10 @@ def main(argv=None) -> int:
     from qjax import xla_env
 
     xla_env.apply(single_threaded=True)
-    import jax
 
     results = [bench(kind, a) for kind in a.model.split(",")]
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
     head = (f"## Serving (issue 17): engine vs sequential qjax.generate\n\n"
-            f"- date: {datetime.date.today()}, commit {commit}; machine: {os.cpu_count()} cores, {cpu}, "
-            f"jax {jax.__version__} on {jax.default_backend()}\n"
+            f"- date: {datetime.date.today()}, {describe()}\n"
             f"- command: `python benchmarks/serve.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n"
             f"- method: {' '.join(__doc__.split(chr(10) + chr(10))[2].split())}\n")
     text = head + "\n" + "\n\n".join(table(r, a) for r in results) + "\n"
@@ -223,8 +209,7 @@ def main(argv=None) -> int:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
     if a.write:
-        with open(RESULTS, "a", encoding="utf-8") as f:
-            f.write("\n" + text)
+        append(text)
     return 0
 
 

@@ -7,6 +7,7 @@ failed or interrupted write never leaves a half-written checkpoint behind.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -170,13 +171,17 @@ def write_atomically(out_dir: str | os.PathLike, write: Callable[[str], None], *
     failure leaves nothing behind; an existing ``out_dir`` is refused unless ``overwrite`` (then replaced only after
     the new folder is complete). Returns ``out_dir`` as an absolute path."""
     out_dir = os.path.abspath(os.fspath(out_dir))
+    clean_stale(out_dir)
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except OSError as e:  # full disk, lost permission, …: say which folder, and leave nothing behind
+            raise OSError(e.errno, f"writing {out_dir} failed: {e.strerror or e}", e.filename) from None
         if os.path.exists(out_dir):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
             os.rename(out_dir, os.path.join(old, "previous"))
@@ -188,6 +193,43 @@ def write_atomically(out_dir: str | os.PathLike, write: Callable[[str], None], *
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def clean_stale(out_dir: str | os.PathLike) -> None:
+    """Remove what a run killed during :func:`write_atomically` left next to ``out_dir``: its temporary folders
+    (``.NAME.tmp-*``), and a previous ``out_dir`` moved aside (``.NAME.old-*/previous``) is put back when the new
+    one never replaced it."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    parent, base = os.path.dirname(out_dir), os.path.basename(out_dir)
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(parent, name)
+        if name.startswith(f".{base}.old-") and os.path.isdir(os.path.join(path, "previous")) \
+                and not os.path.exists(out_dir):
+            os.rename(os.path.join(path, "previous"), out_dir)
+        if name.startswith((f".{base}.tmp-", f".{base}.old-")) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def preflight(out_dir: str | os.PathLike, need_bytes: int) -> None:
+    """Fail now, not after loading and calibrating for an hour: ``out_dir``'s parent must be a folder this process
+    can write (created when missing), with at least ``need_bytes`` free. Raises ``OSError`` naming the path."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    parent = os.path.dirname(out_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{os.path.basename(out_dir)}.probe-", dir=parent)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write next to {out_dir} ({parent}): {e.strerror or e}") from None
+    free = shutil.disk_usage(parent).free
+    if free < need_bytes:
+        raise OSError(errno.ENOSPC, f"{parent} has {free / 2**30:.2f} GiB free, but writing {out_dir} needs about "
+                                    f"{need_bytes / 2**30:.2f} GiB")
 
 
 def hf_config(model, out_dtype: np.dtype) -> dict:

@@ -180,16 +180,13 @@ def _plan_mesh(p: Plan, model, mesh) -> None:
     p.mesh_gdn_bytes_per_sequence = p.gdn_bytes_per_sequence // tp
 
 
-def plan_folder(path: str, *, dtype=None, mesh=None) -> Plan:
-    from qjax.loading import Checkpoint
+def plan_folder(path: str, *, dtype=None, mesh=None, verify: bool = False) -> Plan:
+    """The plan of a checkpoint folder, after every check loading makes short of reading tensor data
+    (:func:`qjax.loading.check_folder`; with ``verify`` the values too): a folder qjax cannot load is an error here
+    too."""
+    from qjax.loading import check_folder, verify_folder
 
-    cfg = TextConfig.from_file(path)
-    qc = QuantizationConfig.from_config_json(os.path.join(path, "config.json"))
-    ckpt = Checkpoint(path)
-    try:
-        headers = {k: (tuple(ckpt.shape(k)), ckpt.dtype(k)) for k in ckpt.keys()}
-    finally:
-        ckpt.close()
+    cfg, qc, headers = (verify_folder if verify else check_folder)(path)
     return plan(cfg, headers, qc, dtype=dtype, mesh=mesh)
 
 

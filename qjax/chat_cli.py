@@ -120,12 +120,13 @@ def _sampling_kwargs(a: argparse.Namespace) -> dict:
                 top_p=a.top_p)
 
 
-def _load(folder: str, dtype: str | None, mesh: str | None = None):
+def _load(folder: str, a: argparse.Namespace):
     import jax.numpy as jnp
 
     import qjax
 
-    return qjax.load_model(folder, dtype=jnp.dtype(dtype) if dtype else None, mesh=mesh or None)
+    return qjax.load_model(folder, dtype=jnp.dtype(a.dtype) if a.dtype else None, mesh=a.mesh or None,
+                           verify=a.verify)
 
 
 def _tokenizer(folder: str, hint: str = ""):
@@ -171,7 +172,7 @@ def run_generate(a: argparse.Namespace) -> int:
     if not ids:
         raise ValueError("empty prompt")
     check_fits(len(ids), a.max_new_tokens, cfg.max_position_embeddings, os.path.join(folder, "config.json"))
-    model = _load(folder, a.dtype, a.mesh)
+    model = _load(folder, a)
     if tokenizer is not None:
         stream_text(model, tokenizer, ids, sys.stdout, stop_ids=tokenizer.stop_token_ids, seed=a.seed,
                     **_sampling_kwargs(a))
@@ -232,7 +233,7 @@ def run_chat(a: argparse.Namespace) -> int:
     folder = a.model or default_model_dir()
     cfg = TextConfig.from_file(folder)
     tokenizer = _tokenizer(folder)
-    session = ChatSession(_load(folder, a.dtype, a.mesh), tokenizer, context=cfg.max_position_embeddings,
+    session = ChatSession(_load(folder, a), tokenizer, context=cfg.max_position_embeddings,
                           config_path=os.path.join(folder, "config.json"), system=a.system,
                           enable_thinking=False if a.no_think else None, seed=a.seed, show_prompt=a.show_prompt,
                           **_sampling_kwargs(a))
@@ -283,6 +284,12 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -
                    help="parameter/activation dtype (default: the checkpoint's)")
     p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="run on several devices, e.g. tensor=2,expert=4 (axes data, tensor, expert; see README)")
+    add_verify_argument(p)
+
+
+def add_verify_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the check of tensor values while loading (NaN, infinity, zero scales)")
 
 
 def add_chat_prompt_arguments(p: argparse.ArgumentParser) -> None:

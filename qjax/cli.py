@@ -7,6 +7,10 @@
     qjax quantize --model DIR --dataset FILE --output_dir OUT [auto-round flags]   AutoRound → compressed-tensors
     qjax bench [--scale 8] [--recipe R]   prefill/decode speed of a random-weight model of a config + recipe
     qjax serve [MODEL] [vLLM's flags]   OpenAI-compatible server with continuous batching
+
+Every command reports bad input and failed reads or writes as one ``error: …`` line naming the file, field or
+tensor (exit 2); ``--debug`` (or ``QJAX_DEBUG=1``) shows the Python traceback of an unexpected error instead of its
+one-line report.
 """
 
 from __future__ import annotations
@@ -106,9 +110,14 @@ def cmd_inspect(a) -> int:
         if a.path is None:
             print("error: give a checkpoint PATH, or --config with --recipe", file=sys.stderr)
             return 2
-        p = plan_folder(a.path, mesh=a.mesh)
+        p = plan_folder(a.path, mesh=a.mesh, verify=a.verify)
         title = f"{a.path}"
     print(format_plan(p, title=title))
+    if a.path is not None:
+        print("checked as loading checks it: config.json, generation_config.json, files inside the folder, "
+              "safetensors headers, tensor names / shapes / dtypes against the model; "
+              + ("tensor values: verified (no NaN or infinity, no zero scale, K/V scales positive)" if a.verify else
+                 "tensor values: not read (--verify reads them)"))
     return 0
 
 
@@ -149,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     i.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="also print per-device memory on this mesh, e.g. tensor=2,expert=2 (no devices needed)")
+    i.add_argument("--verify", action="store_true",
+                   help="also read every tensor and check its values (NaN, infinity, zero scales)")
     i.set_defaults(func=cmd_inspect)
     q = sub.add_parser("quantize", help="AutoRound (SignRound) quantization with auto-round's flags and defaults")
     from qjax.autoround.api import add_arguments, cli as quantize_cli
@@ -172,12 +183,28 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # every later flag is lm-eval's (argparse's REMAINDER would still grab --help)
         return cmd_lm_eval(argparse.Namespace(lm_eval_args=argv[1:]))
+    debug = "--debug" in argv or os.environ.get("QJAX_DEBUG", "") not in ("", "0")
+    argv = [x for x in argv if x != "--debug"]
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileExistsError, FileNotFoundError) as e:  # ConfigError/LoadError/SafetensorsError/ResumeError
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:
+        # bad input (ConfigError, LoadError, SafetensorsError, TokenizerError, ResumeError, … are ValueErrors whose
+        # message names the file and the field) or a failed read or write (the OSError names the path)
+        if debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a bug: one line, not a traceback, unless asked for
+        if debug:
+            raise
+        text = " ".join(str(e).split())
+        print(f"error: unexpected {type(e).__name__}: {text[:300]} — this is a bug in qjax; please report it with "
+              "the command line (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

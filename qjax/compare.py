@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
-import os
 
 import jax
 import numpy as np
 from flax import nnx
+
+from .config import read_config
 
 DEFAULT_TOL = 1e-4
 
@@ -104,9 +104,9 @@ def load_transformers(folder: str, *, quiet: bool = False):
     if quiet:
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-        raw = json.load(f)
-    qc = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+    _, raw = read_config(folder)
+    text = raw.get("text_config")
+    qc = raw.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
     try:
         model, info = Qwen3_5MoeForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
                                                             output_loading_info=True)

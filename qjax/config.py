@@ -7,14 +7,22 @@ Every field the math needs is read from the file; nothing is hard-coded to the 3
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
+
+from .validation import Fields, confined, read_json, show
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+# Upper bounds that no real config approaches (the 35B: 40 layers, 256 experts, 2,048 wide, 248,320 tokens) but that
+# keep a hostile one from asking for loops of a billion modules or tensors of a trillion elements.
+MAX_COUNT = 1 << 16  # layers, heads, experts
+MAX_DIM = 1 << 20  # widths
+MAX_VOCAB = 1 << 24
+MAX_POSITIONS = 1 << 26
 
 
 class ConfigError(ValueError):
@@ -92,116 +100,104 @@ class TextConfig:
     # ---- parsing -------------------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> "TextConfig":
+        """Parse a ``config.json`` object; every field is type- and range-checked (:class:`qjax.validation.Fields`),
+        so a bad value is one :class:`ConfigError` naming ``source`` and the field, never a Python exception."""
+        top = Fields(raw, source, ConfigError)
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: model_type {model_type!r} is not supported; qjax runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        top = raw
-        if model_type == "qwen3_5_moe":
-            if not isinstance(raw.get("text_config"), dict):
-                raise ConfigError(f"{source}: model_type 'qwen3_5_moe' needs a 'text_config' object")
-            text = dict(raw["text_config"])
-            where = f"{source}: text_config"
-        else:
-            text = raw
-            where = source
+            raise ConfigError(f"{source}: model_type {show(model_type)} is not supported; qjax runs "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        f = top.sub("text_config", required=True) if model_type == "qwen3_5_moe" else top
+        where = f.where
 
-        def req(name: str) -> Any:
-            if text.get(name) is None:
-                raise ConfigError(f"{where}: required field {name!r} is missing")
-            return text[name]
-
-        n_layers = int(req("num_hidden_layers"))
-        layer_types = text.get("layer_types")
+        count = dict(min=1, max=MAX_COUNT)
+        dim = dict(min=1, max=MAX_DIM)
+        n_layers = f.int("num_hidden_layers", **count)
+        hidden = f.int("hidden_size", **dim)
+        n_heads = f.int("num_attention_heads", **count)
+        layer_types = f.str_list("layer_types", None, choices=(LINEAR, FULL))
         if layer_types is None:
-            interval = text.get("full_attention_interval")
+            interval = f.int("full_attention_interval", None, min=1)
             if interval is None:
                 raise ConfigError(f"{where}: needs 'layer_types' or 'full_attention_interval'")
-            layer_types = [FULL if (i + 1) % int(interval) == 0 else LINEAR for i in range(n_layers)]
+            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
         layer_types = tuple(layer_types)
         if len(layer_types) != n_layers:
             raise ConfigError(f"{where}: layer_types has {len(layer_types)} entries but num_hidden_layers={n_layers}")
-        bad = sorted({t for t in layer_types if t not in (LINEAR, FULL)})
-        if bad:
-            raise ConfigError(f"{where}: unknown layer_types {bad}; expected {LINEAR!r} or {FULL!r}")
 
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope = f.sub("rope_parameters") if f.has("rope_parameters") else f.sub("rope_scaling")
+        rope_type = rope.str("rope_type", None) or rope.str("type", "default")
         if rope_type not in ("default", "mrope"):
-            raise ConfigError(f"{where}: rope_parameters.rope_type {rope_type!r} is not supported (only 'default')")
-        theta = rope.get("rope_theta", text.get("rope_theta"))
+            raise ConfigError(f"{rope.where}: rope_type {show(rope_type)} is not supported (only 'default')")
+        theta = rope.float("rope_theta", None, positive=True)
         if theta is None:
-            raise ConfigError(f"{where}: required field 'rope_parameters.rope_theta' is missing")
-        prf = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)))
-        head_dim = int(text.get("head_dim") or int(req("hidden_size")) // int(req("num_attention_heads")))
+            if not f.has("rope_theta"):
+                raise ConfigError(f"{where}: required field 'rope_parameters.rope_theta' is missing")
+            theta = f.float("rope_theta", positive=True)
+        prf = rope.float("partial_rotary_factor", None, positive=True, max=1.0)
+        if prf is None:
+            prf = f.float("partial_rotary_factor", 1.0, positive=True, max=1.0)
+        head_dim = f.int("head_dim", None, **dim)
+        if head_dim is None:
+            if hidden % n_heads:
+                raise ConfigError(f"{where}: no head_dim, and hidden_size {hidden} is not a multiple of "
+                                  f"num_attention_heads {n_heads}")
+            head_dim = hidden // n_heads
         rotary_half = int(head_dim * prf) // 2
-        section = rope.get("mrope_section")
-        if section is None:
-            section = [rotary_half, 0, 0]
-        section = tuple(int(s) for s in section)
-        if len(section) != 3 or sum(section) != rotary_half:
-            raise ConfigError(
-                f"{where}: rope_parameters.mrope_section {list(section)} must have 3 parts summing to "
-                f"rotary_dim/2 = {rotary_half}"
-            )
+        section = tuple(rope.int_list("mrope_section", [rotary_half, 0, 0], min=0, length=3))
+        if sum(section) != rotary_half:
+            raise ConfigError(f"{rope.where}: mrope_section {list(section)} must sum to rotary_dim/2 = {rotary_half}")
 
-        eos = top.get("eos_token_id", text.get("eos_token_id"))
-        if eos is None:
-            eos = text.get("eos_token_id")
-        eos_t = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        pad = top.get("pad_token_id", text.get("pad_token_id"))
-
-        if text.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{where}: hidden_act {text.get('hidden_act')!r} is not supported (only 'silu')")
-        if text.get("attention_bias", False):
+        # special token ids may sit at the top of a composite config or in its text_config
+        tokens = top if top.has("eos_token_id") else f
+        eos = tokens.int_list("eos_token_id", [], min=0, scalar=True)
+        pad = (top if top.has("pad_token_id") else f).int("pad_token_id", None, min=0)
+        tie = (top if top.has("tie_word_embeddings") else f).bool("tie_word_embeddings", False)
+        f.str("hidden_act", "silu", choices=("silu",))
+        if f.bool("attention_bias", False):
             raise ConfigError(f"{where}: attention_bias=true is not supported by qwen3_5_moe")
+        dtype = None
+        for fields in (f, top):
+            for name in ("dtype", "torch_dtype"):
+                dtype = dtype or fields.str(name, None)
 
         cfg = cls(
-            vocab_size=int(req("vocab_size")),
-            hidden_size=int(req("hidden_size")),
+            vocab_size=f.int("vocab_size", min=1, max=MAX_VOCAB),
+            hidden_size=hidden,
             num_hidden_layers=n_layers,
             layer_types=layer_types,
-            num_attention_heads=int(req("num_attention_heads")),
-            num_key_value_heads=int(req("num_key_value_heads")),
+            num_attention_heads=n_heads,
+            num_key_value_heads=f.int("num_key_value_heads", **count),
             head_dim=head_dim,
-            linear_num_key_heads=int(req("linear_num_key_heads")),
-            linear_num_value_heads=int(req("linear_num_value_heads")),
-            linear_key_head_dim=int(req("linear_key_head_dim")),
-            linear_value_head_dim=int(req("linear_value_head_dim")),
-            linear_conv_kernel_dim=int(req("linear_conv_kernel_dim")),
-            num_experts=int(req("num_experts")),
-            num_experts_per_tok=int(req("num_experts_per_tok")),
-            moe_intermediate_size=int(req("moe_intermediate_size")),
-            shared_expert_intermediate_size=int(req("shared_expert_intermediate_size")),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            linear_num_key_heads=f.int("linear_num_key_heads", **count),
+            linear_num_value_heads=f.int("linear_num_value_heads", **count),
+            linear_key_head_dim=f.int("linear_key_head_dim", **dim),
+            linear_value_head_dim=f.int("linear_value_head_dim", **dim),
+            linear_conv_kernel_dim=f.int("linear_conv_kernel_dim", min=1, max=64),
+            num_experts=f.int("num_experts", **count),
+            num_experts_per_tok=f.int("num_experts_per_tok", **count),
+            moe_intermediate_size=f.int("moe_intermediate_size", **dim),
+            shared_expert_intermediate_size=f.int("shared_expert_intermediate_size", **dim),
+            rms_norm_eps=f.float("rms_norm_eps", 1e-6, positive=True, max=1.0),
+            rope_theta=theta,
             partial_rotary_factor=prf,
             mrope_section=section,  # type: ignore[arg-type]
-            max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
-            tie_word_embeddings=bool(top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            initializer_range=float(text.get("initializer_range", 0.02)),
-            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
-            eos_token_id=eos_t,
-            pad_token_id=None if pad is None else int(pad),
-            bos_token_id=text.get("bos_token_id"),
-            dtype=text.get("dtype") or text.get("torch_dtype") or top.get("dtype") or top.get("torch_dtype"),
+            max_position_embeddings=f.int("max_position_embeddings", 262144, min=1, max=MAX_POSITIONS),
+            tie_word_embeddings=tie,
+            initializer_range=f.float("initializer_range", 0.02, min=0.0),
+            mtp_num_hidden_layers=f.int("mtp_num_hidden_layers", 0, min=0, max=MAX_COUNT),
+            eos_token_id=tuple(eos),
+            pad_token_id=pad,
+            bos_token_id=(top if top.has("bos_token_id") else f).int("bos_token_id", None, min=0),
+            dtype=dtype,
         )
         cfg.validate(where)
         return cfg
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "TextConfig":
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no config.json found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        """``config.json`` (or a folder holding one); see :func:`read_config`."""
+        path, raw = read_config(path)
         return cls.from_dict(raw, source=path)
 
     def validate(self, where: str = "config") -> None:
@@ -261,3 +257,15 @@ class TextConfig:
             "bos_token_id": self.bos_token_id,
             "dtype": self.dtype,
         }
+
+
+def read_config(path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """``(path, object)`` of ``config.json`` (``path`` is the file or a folder holding one), read through
+    :func:`qjax.validation.read_json`: confined to the folder, size- and depth-bounded, a JSON object, or a
+    :class:`ConfigError` naming the file."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = confined(path, "config.json", what=path, error=ConfigError)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no config.json found")
+    return path, read_json(path, error=ConfigError)

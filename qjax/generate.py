@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 
@@ -22,6 +21,7 @@ from flax import nnx
 from .cache import Cache
 from .kernels import use as use_kernels
 from .sampling import SamplingArrays, filter_logits
+from .validation import Fields, confined, read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,29 +37,27 @@ class GenerationConfig:
     max_new_tokens: int | None = None
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "GenerationConfig":
-        eos = raw.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    def from_dict(cls, raw: dict, *, source: str = "generation_config.json") -> "GenerationConfig":
+        """Parse a ``generation_config.json`` object; a field of the wrong type or range is a ``ValueError`` naming
+        ``source`` and the field."""
+        f = Fields(raw, source, ValueError)
         return cls(
-            do_sample=bool(raw.get("do_sample", False)),
-            temperature=float(raw.get("temperature") or 1.0),
-            top_k=int(raw.get("top_k") or 0),
-            top_p=float(raw.get("top_p") or 1.0),
-            eos_token_id=eos,
-            pad_token_id=raw.get("pad_token_id"),
-            max_new_tokens=raw.get("max_new_tokens"),
+            do_sample=f.bool("do_sample", False),
+            temperature=f.float("temperature", 1.0, min=0.0) or 1.0,
+            top_k=f.int("top_k", 0, min=0),
+            top_p=f.float("top_p", 1.0, positive=True, max=1.0),
+            eos_token_id=tuple(f.int_list("eos_token_id", [], min=0, scalar=True)),
+            pad_token_id=f.int("pad_token_id", None, min=0),
+            max_new_tokens=f.int("max_new_tokens", None, min=1),
         )
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> "GenerationConfig":
-        path = os.path.join(os.fspath(folder), "generation_config.json")
-        if not os.path.exists(path):
+        folder = os.fspath(folder)
+        path = confined(folder, "generation_config.json", what=folder)
+        if not os.path.lexists(path):
             return cls()
-        try:
-            with open(path, encoding="utf-8") as f:
-                return cls.from_dict(json.load(f))
-        except (json.JSONDecodeError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: cannot read generation config ({e})") from None
+        return cls.from_dict(read_json(path), source=path)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

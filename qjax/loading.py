@@ -31,7 +31,7 @@ from .quant.config import QuantizationConfig
 from .quant.packing import unpack_zero_point
 from .generate import GenerationConfig
 from .model import Qwen3_5MoeForCausalLM, abstract_model
-from .safetensors_io import SafetensorsFile, list_checkpoint_files
+from .safetensors_io import INDEX_FILE_NAME, SafetensorsError, SafetensorsFile, list_checkpoint_files, read_index
 
 logger = logging.getLogger("qjax")
 
@@ -227,11 +227,41 @@ class Checkpoint:
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = os.fspath(folder)
-        self.files = [SafetensorsFile(os.path.join(self.folder, f)) for f in list_checkpoint_files(self.folder)]
-        self.where: dict[str, SafetensorsFile] = {}
+        names = list_checkpoint_files(self.folder)
+        self.files = []
+        try:
+            for name in names:
+                self.files.append(SafetensorsFile(os.path.join(self.folder, name)))
+            self.where = self._locate()
+        except BaseException:
+            self.close()
+            raise
+
+    def _locate(self) -> dict[str, SafetensorsFile]:
+        """tensor → its file. A tensor stored twice, or not where the index says, is an error: which copy a reader
+        takes would otherwise depend on its file order."""
+        where: dict[str, SafetensorsFile] = {}
         for f in self.files:
             for k in f.keys():
-                self.where.setdefault(k, f)
+                if k in where:
+                    raise SafetensorsError(f"{self.folder}: tensor {k!r} is stored twice, in "
+                                           f"{os.path.basename(where[k].path)} and {os.path.basename(f.path)}")
+                where[k] = f
+        if os.path.lexists(os.path.join(self.folder, INDEX_FILE_NAME)):
+            index = read_index(self.folder)
+            for k, shard in index.items():
+                if k not in where:
+                    raise SafetensorsError(f"{self.folder}: {INDEX_FILE_NAME} maps tensor {k!r} to {shard}, which "
+                                           "does not hold it")
+                if os.path.normpath(shard) != os.path.normpath(os.path.relpath(where[k].path, self.folder)):
+                    raise SafetensorsError(f"{self.folder}: {INDEX_FILE_NAME} maps tensor {k!r} to {shard}, but it "
+                                           f"is stored in {os.path.basename(where[k].path)}")
+            unlisted = [k for k in where if k not in index]
+            if unlisted:
+                raise SafetensorsError(f"{self.folder}: {len(unlisted)} tensor(s) stored in the shards are not in "
+                                       f"{INDEX_FILE_NAME}, e.g. {unlisted[0]!r} in "
+                                       f"{os.path.basename(where[unlisted[0]].path)}")
+        return where
 
     def keys(self) -> list[str]:
         """All tensor names, file by file in on-disk order."""
@@ -273,7 +303,7 @@ def _default_dtype_from(embed_dtype: str | None, cfg: TextConfig):
 
 
 def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = None,
-               mesh=None) -> Qwen3_5MoeForCausalLM:
+               mesh=None, verify: bool = True) -> Qwen3_5MoeForCausalLM:
     """Load a HF ``qwen3_5_moe`` / ``qwen3_5_moe_text`` checkpoint folder (dense, compressed-tensors, or auto-round
     ``quant_method: "auto-round"`` INT packing, converted to compressed-tensors' layout at load).
 
@@ -287,6 +317,9 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
         are 1), a ``"tensor=2,expert=4"`` string, or a :class:`jax.sharding.Mesh` with axes among
         (data, tensor, expert). Each tensor goes straight to the devices that hold a part of it
         (:mod:`qjax.sharding` has the layout). None: one device.
+      verify: check every tensor's values as it streams in (:func:`verify_values`: no NaN or infinity in float
+        tensors, no NaN code in float8 weights or E8M0 scales, no zero weight scale, K/V scales positive); one
+        more read of each tensor in host memory (benchmarks/RESULTS.md has the cost). False skips it.
     Raises:
       ConfigError, SafetensorsError, LoadError — each naming the file and the tensor or field at fault;
       qjax.sharding.MeshError when the mesh does not divide the model's heads or experts.
@@ -298,29 +331,66 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
         from .sharding import plan_mesh
 
         plan = plan_mesh(mesh, cfg)
+    generation_config = GenerationConfig.from_folder(path)  # checked before minutes of loading, not after
     ckpt = Checkpoint(path)
     try:
-        # auto-round folders (quant_method "auto-round", GPTQ/AWQ packing) are read through a compressed-tensors view
-        autoround = open_autoround(path, ckpt)
-        if autoround is not None:
-            qc, view = autoround
-        else:
-            qc, view = QuantizationConfig.from_config_json(os.path.join(path, "config.json")), ckpt
-        model = _load(cfg, qc, view, dtype, progress=progress, plan=plan)
+        qc, view = _quantization(path, ckpt)
+        model = _load(cfg, qc, view, dtype, progress=progress, plan=plan, verify=verify)
     finally:
         ckpt.close()
-    model.generation_config = GenerationConfig.from_folder(path)
+    model.generation_config = generation_config
     return model
 
 
-def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype, *, progress: bool | None = False,
-          plan=None) -> Qwen3_5MoeForCausalLM:
+def _quantization(path: str, ckpt: Checkpoint):
+    """(quantization config or None, the checkpoint view to read): auto-round folders (quant_method "auto-round",
+    GPTQ/AWQ packing) are read through a compressed-tensors view."""
+    autoround = open_autoround(path, ckpt)
+    if autoround is not None:
+        return autoround
+    return QuantizationConfig.from_config_json(path), ckpt
+
+
+def check_folder(path: str | os.PathLike) -> tuple[TextConfig, QuantizationConfig | None,
+                                                  dict[str, tuple[tuple[int, ...], str]]]:
+    """Every check :func:`load_model` makes before it reads tensor data — config.json and generation_config.json
+    fields, files confined to the folder, strict safetensors headers, no tensor stored twice, the quantization
+    config, every tensor's name, shape and dtype against the model — without reading the data (so not the values
+    :func:`verify_values` checks). Returns (config, quantization config, headers as the loader sees them: key →
+    (shape, safetensors dtype)); raises what load_model raises."""
+    return _check_folder(path, values=False)
+
+
+def verify_folder(path: str | os.PathLike) -> tuple[TextConfig, QuantizationConfig | None,
+                                                   dict[str, tuple[tuple[int, ...], str]]]:
+    """:func:`check_folder`, and the values of every tensor the model reads (:func:`verify_values`)."""
+    return _check_folder(path, values=True)
+
+
+def _check_folder(path, *, values: bool):
+    path = os.fspath(path)
+    cfg = TextConfig.from_file(path)
+    GenerationConfig.from_folder(path)
+    ckpt = Checkpoint(path)
+    try:
+        qc, view = _quantization(path, ckpt)
+        _, _, targets, _ = _structure(cfg, qc, view, None)
+        for key in _ordered(view, targets):
+            if values:
+                verify_values(view, key, view.get(key))
+            elif targets[key].transform == "weight_shape":  # two integers: as cheap as a header
+                _transform(view, key, targets[key], view.get(key))
+        return cfg, qc, {k: (tuple(view.shape(k)), view.dtype(k)) for k in view.keys()}
+    finally:
+        ckpt.close()
+
+
+def _structure(cfg: TextConfig, qc, ckpt: Checkpoint, dtype):
+    """The abstract model a checkpoint describes, its variables and every tensor's target, checked against the
+    checkpoint's names, shapes and dtypes: (model, leaves, targets, text prefix)."""
     keys = ckpt.keys()
     prefix = _text_prefix(keys)
     skipped = [k for k in keys if k.startswith(SKIPPED_PREFIXES)]
-    if skipped:
-        logger.warning("%s: skipping %d vision tensors (model.visual.*): qjax runs the text model",
-                       ckpt.folder, len(skipped))
     with_mtp = any(k.startswith("mtp.") for k in keys)
     dtype = jnp.dtype(dtype) if dtype is not None else _default_dtype(ckpt, cfg, prefix)
     quant = plan_quantization(cfg, qc, set(keys), ckpt.dtype, text_prefix=prefix,
@@ -329,6 +399,15 @@ def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype, *, progress: bool | None
     leaves = _leaf_shapes(model)
     targets = expected_tensors(model, leaves, fused_experts=_expert_layouts(keys), text_prefix=prefix)
     _check(ckpt, targets, set(skipped))
+    return model, leaves, targets, skipped
+
+
+def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype, *, progress: bool | None = False,
+          plan=None, verify: bool = False) -> Qwen3_5MoeForCausalLM:
+    model, leaves, targets, skipped = _structure(cfg, qc, ckpt, dtype)
+    if skipped:
+        logger.warning("%s: skipping %d vision tensors (model.visual.*): qjax runs the text model",
+                       ckpt.folder, len(skipped))
 
     shardings = None
     if plan is not None:
@@ -339,7 +418,10 @@ def _load(cfg: TextConfig, qc, ckpt: Checkpoint, dtype, *, progress: bool | None
     placer = _Placer(leaves, shardings)
     for key in _progress(_ordered(ckpt, targets), ckpt, targets, progress):
         t = targets[key]
-        arr = _transform(ckpt, key, t)
+        arr = ckpt.get(key)  # once: a converting view (auto-round) hands each tensor out once
+        if verify:
+            verify_values(ckpt, key, arr)
+        arr = _transform(ckpt, key, t, arr)
         if t.path is not None:
             placer.put(t, _host_cast(arr, leaves[t.path].dtype))
 
@@ -427,9 +509,8 @@ def _folder_bytes(folder) -> int:
         return 0
 
 
-def _transform(ckpt: Checkpoint, key: str, t: Target) -> np.ndarray | None:
-    """The on-disk tensor in the layout of its model variable (zero points unpacked, KV scales per head)."""
-    arr = ckpt.get(key)
+def _transform(ckpt: Checkpoint, key: str, t: Target, arr: np.ndarray) -> np.ndarray | None:
+    """The on-disk tensor ``arr`` in the layout of its model variable (zero points unpacked, KV scales per head)."""
     if t.transform is None:
         return arr
     if t.transform == "zero_point":
@@ -444,6 +525,56 @@ def _transform(ckpt: Checkpoint, key: str, t: Target) -> np.ndarray | None:
                             f"model needs {list(t.info)}")
         return None
     raise AssertionError(t.transform)
+
+
+# (bits, mask, value): a float is infinite or NaN exactly when its bits & mask == value (the exponent all ones;
+# float8 E4M3FN has no infinities and one NaN code per sign, S.1111.111). E8M0 scale bytes: 0xFF is NaN.
+_NON_FINITE = {"F64": (np.uint64, 0x7FF0000000000000, 0x7FF0000000000000),
+               "F32": (np.uint32, 0x7F800000, 0x7F800000), "F16": (np.uint16, 0x7C00, 0x7C00),
+               "BF16": (np.uint16, 0x7F80, 0x7F80), "F8_E4M3": (np.uint8, 0x7F, 0x7F)}
+
+
+_CHUNK = 1 << 18  # elements per piece of verify_values' pass
+
+
+def verify_values(ckpt: Checkpoint, key: str, arr: np.ndarray) -> None:
+    """Refuse a tensor whose values no producer writes and that would turn the model's output into NaN or garbage
+    without an error: a NaN or infinity in a float tensor, the NaN code of a float8 weight, a NaN (0xFF) E8M0 scale
+    byte, a zero weight scale, or a K / V scale that is not positive. ``arr``: the tensor ``key`` as read from ``ckpt``
+    (which names its file); one pass over it (bit tests, no float copy)."""
+    arr = np.asarray(arr)
+    dtype = ckpt.dtype(key)
+    where = f"{ckpt.folder}: {key} [{ckpt.file_of(key)}]"
+    if dtype in _NON_FINITE:
+        bits, mask, value = _NON_FINITE[dtype]
+        flat = arr.reshape(-1).view(bits)
+        # in cache-sized pieces: one pass over the bytes, no tensor-sized temporaries
+        if any(((flat[i:i + _CHUNK] & bits(mask)) == bits(value)).any() for i in range(0, flat.size, _CHUNK)):
+            bad = (arr.view(bits) & bits(mask)) == bits(value)
+            what = "NaN codes" if dtype == "F8_E4M3" else "NaN or infinite values"
+            raise LoadError(f"{where}: {int(bad.sum())} {what} (first at index {_first(bad)}); the file is damaged")
+    if key.endswith(".weight_scale") and dtype == "U8":  # E8M0 exponents
+        bad = arr == 0xFF
+        if bad.any():
+            raise LoadError(f"{where}: {int(bad.sum())} E8M0 scale bytes are 0xFF (NaN) (first at index "
+                            f"{_first(bad)}); the file is damaged")
+    elif key.endswith(".weight_scale") and dtype in FLOAT:
+        # auto-round's symmetric INT scales are signed (the sign follows the group's larger side); no producer
+        # writes a zero scale (compressed-tensors and auto-round floor the magnitude): a zero zeroes its group
+        bad = np.asarray(arr, np.float32) == 0
+        if bad.any():
+            raise LoadError(f"{where}: {int(bad.sum())} scales are zero (first at index {_first(bad)}); the file "
+                            "is damaged")
+    elif key.endswith((".k_scale", ".v_scale")):
+        bad = ~(np.asarray(arr, np.float32) > 0)  # K and V are divided by them before the FP8 cast
+        if bad.any():
+            i = _first(bad)
+            raise LoadError(f"{where}: {int(bad.sum())} K/V scales are zero or negative (first: {arr[i]} at index "
+                            f"{i}); they must be positive")
+
+
+def _first(mask: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(mask)), mask.shape))
 
 
 def _ordered(ckpt: Checkpoint, targets: dict[str, Target]) -> Iterator[str]:

@@ -26,7 +26,6 @@ have ``zp_u = 2^(b-1)`` everywhere; asymmetric ones have ``zp_u = zp + 2^(b-1)``
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -36,7 +35,9 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from .quant.config import PACK_QUANTIZED, QuantConfigError, QuantizationConfig, WeightScheme
+from .config import read_config
 from .quant.packing import pack_zero_point
+from .validation import Fields
 
 __all__ = [
     "AUTOROUND_METHOD",
@@ -262,21 +263,24 @@ def resolve_schemes(quantization_config: Mapping, names: list[str], *, source: s
         entry = extra.get(name)
         if entry is None:
             entry = next((extra[k] for k, rx in patterns if rx.search(name)), {})
-        merged = {**top, **{k: v for k, v in entry.items() if v is not None}}
-        bits = merged.get("bits")
-        if bits is None or int(bits) >= 16:
+        if not isinstance(entry, Mapping):
+            raise AutoRoundError(f"{source}: quantization_config.extra_config[{name!r}] must be an object")
+        merged = Fields({**top, **{k: v for k, v in entry.items() if v is not None}},
+                        f"{source}: quantization_config ({name})", AutoRoundError)
+        bits = merged.int("bits", None, min=1)
+        if bits is None or bits >= 16:
             out[name] = None
             continue
-        if str(merged.get("data_type") or "int") != "int":
-            raise AutoRoundError(f"{source}: {name}: data_type {merged.get('data_type')!r} is not supported "
+        if merged.str("data_type", "int") != "int":
+            raise AutoRoundError(f"{source}: {name}: data_type {merged.raw.get('data_type')!r} is not supported "
                                  "(INT weight-only only)")
-        if merged.get("act_bits") is not None and int(merged["act_bits"]) < 16:
-            raise AutoRoundError(f"{source}: {name}: activation quantization (act_bits {merged['act_bits']}) is "
-                                 "not supported")
-        gs = merged.get("group_size")
+        act_bits = merged.int("act_bits", None, min=0)
+        if act_bits is not None and act_bits < 16:
+            raise AutoRoundError(f"{source}: {name}: activation quantization (act_bits {act_bits}) is not supported")
+        gs = merged.int("group_size", None, min=-1)
         if gs == 0:
             raise AutoRoundError(f"{source}: {name}: per-tensor int quantization (group_size 0) is not supported")
-        out[name] = (int(bits), -1 if gs in (None, -1) else int(gs), bool(merged.get("sym", True)))
+        out[name] = (bits, -1 if gs in (None, -1) else gs, merged.bool("sym", True))
     return out
 
 
@@ -405,12 +409,8 @@ class AutoRoundCheckpoint:
 def open_autoround(folder: str | os.PathLike, ckpt) -> tuple[QuantizationConfig, AutoRoundCheckpoint] | None:
     """``(quantization config, checkpoint view)`` when ``folder/config.json`` declares ``quant_method
     "auto-round"``, else None (the caller then reads a compressed-tensors config as usual)."""
-    path = os.path.join(os.fspath(folder), "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            qcfg = json.load(f).get("quantization_config")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None  # the regular config reader reports unreadable files
+    path, raw = read_config(folder)
+    qcfg = raw.get("quantization_config")
     if not is_autoround_config(qcfg):
         return None
     try:

@@ -65,6 +65,12 @@ def _meta(name: str, scheme: WeightScheme | None, fmt: str, out_in: tuple[int, i
             raise QuantLoadError(f"{name}: MXFP8 needs in_features divisible by 32, got {k}")
         return QuantMeta("mxfp8", 8, 32, k, out, True, "group", "uint8")
     group = scheme.group_size if scheme.strategy == "group" else k
+    if group < k and k % group:
+        # a scale shape can fit by accident (96 on 128 columns needs 2 groups, as 64 does); compressed-tensors
+        # refuses such groups ("tensor column shape must be divisible"). A group wider than the layer is one group,
+        # which compressed-tensors writes (a 64-wide layer under group_size 128).
+        raise QuantLoadError(f"{name}: group_size {group} of its config_group does not divide its {k} input columns "
+                             f"({source})")
     return QuantMeta("int", scheme.num_bits, group, k, out, scheme.symmetric, scheme.strategy, scale_dtype)
 
 
@@ -89,6 +95,9 @@ def plan_quantization(cfg: TextConfig, qc: QuantizationConfig | None, keys: set[
         return qc.scheme_for(name, is_linear=True)
 
     def scale_dtype(name):
+        if f"{name}.weight_scale" not in keys:
+            raise QuantLoadError(f"{name} is stored quantized but {name}.weight_scale is missing (checkpoint of "
+                                 f"{source})")
         return _SCALE_DTYPES.get(dtype_of(f"{name}.weight_scale"), "bfloat16")
 
     layers = []

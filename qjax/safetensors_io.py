@@ -26,6 +26,8 @@ from typing import Any, NoReturn
 import ml_dtypes
 import numpy as np
 
+from .validation import confined, parse_json, read_json
+
 __all__ = [
     "SafetensorsError",
     "SafetensorsFile",
@@ -42,6 +44,8 @@ METADATA_KEY = "__metadata__"
 # The reference implementation refuses headers above 100 MB; a larger value is almost certainly garbage (e.g. a file
 # that is not safetensors at all), and refusing it early avoids trying to decode gigabytes as JSON.
 MAX_HEADER_BYTES = 100_000_000
+# A header is an object of objects of lists: 3 levels. Checked on the raw bytes before parsing (see validation.py).
+MAX_HEADER_DEPTH = 4
 
 
 class SafetensorsError(ValueError):
@@ -112,6 +116,7 @@ class SafetensorsFile:
                 if header_len > MAX_HEADER_BYTES:
                     self._fail(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
                 header_bytes = f.read(header_len)
+                self._data_start = 8 + header_len
                 self._parse_header(header_bytes, data_start=8 + header_len, file_size=file_size)
                 # mmap cannot map an empty range, but the file is always >= 8 bytes here.
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -124,18 +129,11 @@ class SafetensorsFile:
         raise SafetensorsError(where + msg)
 
     def _parse_header(self, header_bytes: bytes, data_start: int, file_size: int) -> None:
-        def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-            out: dict[str, Any] = {}
-            for k, v in pairs:
-                if k in out:
-                    self._fail(f"header: duplicate key {k!r}")
-                out[k] = v
-            return out
-
-        try:
-            header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=no_duplicates)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            self._fail(f"header is not valid UTF-8 JSON: {e}")
+        # the reference reader's order of checks: the header is a JSON object (starts with "{"), then its entries
+        if not header_bytes.startswith(b"{"):
+            self._fail("header does not start with '{': not a safetensors file")
+        header = parse_json(header_bytes, f"{self.path}: header", error=SafetensorsError,
+                            max_depth=MAX_HEADER_DEPTH, duplicate_keys=False)
         if not isinstance(header, dict):
             self._fail(f"header must be a JSON object, got {type(header).__name__}")
 
@@ -145,7 +143,7 @@ class SafetensorsFile:
                 self._parse_metadata(info)
                 continue
             self._entries[name] = self._parse_entry(name, info, data_start, data_size, file_size)
-        self._check_overlaps()
+        self._check_layout(data_size)
 
     def _parse_metadata(self, info: Any) -> None:
         if not isinstance(info, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
@@ -194,12 +192,21 @@ class SafetensorsFile:
                        f"{dtype_str} ({np_dtype.itemsize} bytes/element) = {expected} bytes", name)
         return dtype_str, np_dtype, tuple(shape), data_start + begin, data_start + end
 
-    def _check_overlaps(self) -> None:
-        # Empty tensors occupy no bytes, so they may share an offset with anything.
-        spans = sorted((b, e, n) for n, (_, _, _, b, e) in self._entries.items() if e > b)
-        for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
-            if b1 < e0:
-                self._fail(f"overlaps tensor {n0!r} (bytes [{b1}, ...) start before [{b0}, {e0}) ends)", n1)
+    def _check_layout(self, data_size: int) -> None:
+        """The tensors tile the data buffer exactly, as the reference reader requires: in offset order each starts
+        where the previous ends (no overlap, no gap) and the last ends at the end of the file (no trailing bytes)."""
+        spans = sorted((b - self._data_start, e - self._data_start, n) for n, (_, _, _, b, e) in self._entries.items())
+        end, prev = 0, None
+        for b, e, n in spans:
+            if b < end:
+                self._fail(f"overlaps tensor {prev!r}: its bytes start at {b}, before {end} where that one ends", n)
+            if b > end:
+                self._fail(f"a gap of {b - end} unused bytes precedes it (data_offsets begin {b}, the previous "
+                           f"tensor ends at {end}); the reference reader refuses such files", n)
+            end, prev = e, n
+        if end != data_size:
+            self._fail(f"{data_size - end} trailing bytes after the last tensor (the data buffer is {data_size} "
+                       f"bytes, the tensors cover {end}); the reference reader refuses such files")
 
     # ---- queries -----------------------------------------------------------------------------------------------
     def _entry(self, name: str) -> tuple[str, np.dtype, tuple[int, ...], int, int]:
@@ -272,44 +279,47 @@ class SafetensorsFile:
 
 # ---- checkpoint folders --------------------------------------------------------------------------------------------
 def read_index(folder: str | os.PathLike) -> dict[str, str]:
-    """Tensor name -> shard file name (relative to ``folder``) from ``model.safetensors.index.json``'s weight_map."""
-    index_path = os.path.join(os.fspath(folder), INDEX_FILE_NAME)
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-    except FileNotFoundError:
-        raise SafetensorsError(f"{index_path}: index file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsError(f"{index_path}: cannot read index: {e}") from e
+    """Tensor name -> shard file name (relative to ``folder``) from ``model.safetensors.index.json``'s weight_map.
 
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    Every shard the index names must be a file inside ``folder`` (after symlinks): an absolute path, a ``../`` path or
+    a link that leads elsewhere is refused before anything is opened (validation.confined)."""
+    folder = os.fspath(folder)
+    index_path = confined(folder, INDEX_FILE_NAME, what=folder, error=SafetensorsError)
+    if not os.path.isfile(index_path):
+        raise SafetensorsError(f"{index_path}: index file not found")
+    index = read_json(index_path, error=SafetensorsError)
+    weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
         raise SafetensorsError(f"{index_path}: malformed index: expected an object with a 'weight_map' object")
+    checked: dict[str, str] = {}
     for name, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard:
-            raise SafetensorsError(f"{index_path}: malformed index: tensor {name!r} maps to {shard!r}, not a file name")
-
-    missing = sorted({s for s in weight_map.values() if not os.path.isfile(os.path.join(os.fspath(folder), s))})
+        if shard not in checked:
+            checked[shard] = confined(folder, shard, what=f"{index_path}: weight_map[{name!r}]",
+                                      error=SafetensorsError)
+    missing = sorted(s for s, path in checked.items() if not os.path.isfile(path))
     if missing:
         raise SafetensorsError(f"{index_path}: index lists shard file(s) that do not exist: {', '.join(missing)}")
     return dict(weight_map)
 
 
 def list_checkpoint_files(folder: str | os.PathLike) -> list[str]:
-    """Safetensors file names (relative to ``folder``) making up the checkpoint.
+    """Safetensors file names (relative to ``folder``) making up the checkpoint, each checked to lie inside it.
 
     The index's shards if an index exists, else ``model.safetensors`` if present, else every ``*.safetensors``.
     """
     folder = os.fspath(folder)
-    if os.path.isfile(os.path.join(folder, INDEX_FILE_NAME)):
+    if os.path.lexists(os.path.join(folder, INDEX_FILE_NAME)):
         return sorted(set(read_index(folder).values()))
-    if os.path.isfile(os.path.join(folder, SINGLE_FILE_NAME)):
-        return [SINGLE_FILE_NAME]
-    try:
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")
-                       and os.path.isfile(os.path.join(folder, n)))
-    except OSError as e:
-        raise SafetensorsError(f"{folder}: cannot list checkpoint folder: {e}") from e
+    if os.path.lexists(os.path.join(folder, SINGLE_FILE_NAME)):
+        names = [SINGLE_FILE_NAME]
+    else:
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+        except OSError as e:
+            raise SafetensorsError(f"{folder}: cannot list checkpoint folder: {e.strerror or e}") from None
+    for n in names:
+        confined(folder, n, what=folder, error=SafetensorsError)
+    names = [n for n in names if os.path.isfile(os.path.join(folder, n))]
     if not names:
         raise SafetensorsError(f"{folder}: no *.safetensors files (and no {INDEX_FILE_NAME}) in checkpoint folder")
     return names

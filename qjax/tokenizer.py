@@ -17,9 +17,15 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
+import re
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
+
+from .validation import Fields, confined, read_json, show
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -59,6 +65,28 @@ class TokenizerError(ValueError):
     """A tokenizer folder or chat template qjax cannot use; the message names the folder or file at fault."""
 
 
+# Bounds on one rendering of a chat template (templates come with checkpoints from the internet): the prompt it
+# writes, the elements all its range() calls produce together (jinja's sandbox caps one range at 100,000, not nested
+# loops), and its wall time. Real templates render a 256k-token conversation in well under these.
+MAX_TEMPLATE_CHARS = 16 << 20
+MAX_TEMPLATE_RANGE = 10_000_000
+MAX_TEMPLATE_SECONDS = 10.0
+_render = threading.local()  # the budget of the rendering in progress on this thread
+
+
+def _spend(n: int) -> None:
+    import jinja2
+
+    budget = getattr(_render, "budget", None)
+    if budget is None:
+        return
+    budget[0] -= n
+    if budget[0] < 0:
+        raise jinja2.exceptions.SecurityError(f"the template's loops exceed {MAX_TEMPLATE_RANGE:,} iterations")
+    if time.monotonic() > budget[1]:
+        raise jinja2.exceptions.SecurityError(f"rendering took longer than {MAX_TEMPLATE_SECONDS:g} s")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # chat templates: jinja2 set up as transformers' chat_template_utils sets it up
 # ---------------------------------------------------------------------------------------------------------------------
@@ -68,7 +96,8 @@ def _compile_template(source: str):
     ``lstrip_blocks``, loop controls, ``raise_exception``/``strftime_now``/``namespace``/``dict``, JSON ``tojson``)."""
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
     class GenerationTag(jinja2.ext.Extension):
         # ``{% generation %}…{% endgeneration %}`` marks assistant text for training masks; rendering keeps the body
@@ -114,8 +143,53 @@ def _compile_template(source: str):
         # jinja's own filter HTML-escapes and sorts keys; templates expect plain json.dumps
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """transformers' sandbox, plus bounds on what one expression can build: ``'x' * 10**9``, ``9 ** 10**9``,
+        ``'%999999999s' % x`` and ``'x'.ljust(10**9)`` are refused instead of taking the memory or the time."""
+
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def call_binop(self, context, operator, left, right):
+            big = MAX_TEMPLATE_CHARS
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > big:
+                        raise SecurityError(f"a repetition of {n:,} × {len(seq):,} items is too big")
+            elif operator == "**":
+                if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and \
+                        right * math.log2(abs(left)) > 4096:
+                    raise SecurityError(f"{left} ** {right} is too big")
+            elif isinstance(left, str):  # printf-style formatting: widths and precisions, written or passed by *
+                values = right if isinstance(right, tuple) else (right,)
+                sizes = [int(n) for n in re.findall(r"%[-+ #0]*(\d*)(?:\.(\d*))?", left) for n in n if n]
+                if any(n > big for n in sizes) or ("*" in left and any(
+                        isinstance(v, int) and v > big for v in values)):
+                    raise SecurityError("a formatted width is too big")
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+            if isinstance(getattr(__obj, "__self__", None), str) and any(
+                    isinstance(v, int) and v > MAX_TEMPLATE_CHARS for v in (*args, *kwargs.values())):
+                raise SecurityError(f"str.{getattr(__obj, '__name__', '?')} with a size over {MAX_TEMPLATE_CHARS:,}")
+            return super().call(__context, __obj, *args, **kwargs)
+
+    def bounded_range(*args):
+        r = range(*args)
+        if len(r) > MAX_RANGE:
+            raise SecurityError(f"range of {len(r):,} items (the sandbox allows {MAX_RANGE:,})")
+        _spend(len(r))
+        return r
+
+    class BlockedUndefined(jinja2.Undefined):
+        # what the sandbox returns for a blocked attribute (``''.__class__``) renders as an error, not as ""
+        def __str__(self):
+            if self._undefined_exception is SecurityError:
+                self._fail_with_undefined_error()
+            return super().__str__()
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols],
+                  undefined=BlockedUndefined)
+    env.globals["range"] = bounded_range
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -204,17 +278,24 @@ class StreamDecoder:
 # ---------------------------------------------------------------------------------------------------------------------
 # the tokenizer
 # ---------------------------------------------------------------------------------------------------------------------
-def _read_json(path: str) -> dict | None:
-    if not os.path.isfile(path):
+def _read_json(folder: str, name: str) -> dict | None:
+    """``folder/name`` as a JSON object (None when absent), confined to the folder and bounded (qjax.validation)."""
+    path = confined(folder, name, what=folder, error=TokenizerError)
+    if not os.path.lexists(path):
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read ({e})") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json(path, error=TokenizerError)
+
+
+def _added_tokens(cfg: dict, where: str) -> list[tuple[str, Mapping]]:
+    """``added_tokens_decoder`` as (id, spec) pairs in id order; malformed entries are a :class:`TokenizerError`."""
+    raw = cfg.get("added_tokens_decoder") or {}
+    if not isinstance(raw, Mapping):
+        raise TokenizerError(f"{where}: added_tokens_decoder must be an object of id → token, got "
+                             f"{type(raw).__name__}")
+    for idx in raw:
+        if not (isinstance(idx, str) and idx.isdigit()):
+            raise TokenizerError(f"{where}: added_tokens_decoder key {show(idx)} is not a token id")
+    return sorted(raw.items(), key=lambda kv: int(kv[0]))
 
 
 def _token_content(value) -> str | None:
@@ -250,7 +331,7 @@ class Tokenizer:
         folder = os.fspath(path)
         if not os.path.isdir(folder):
             raise TokenizerError(f"{folder}: no such folder")
-        tj = os.path.join(folder, TOKENIZER_FILE)
+        tj = confined(folder, TOKENIZER_FILE, what=folder, error=TokenizerError)
         if not os.path.isfile(tj):
             raise TokenizerError(f"{folder}: no {TOKENIZER_FILE} (the fast-tokenizer file is needed to encode text)")
         try:
@@ -258,17 +339,18 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception on malformed files
             raise TokenizerError(f"{tj}: cannot load ({e})") from None
 
-        cfg = _read_json(os.path.join(folder, CONFIG_FILE)) or {}
+        cfg_path = os.path.join(folder, CONFIG_FILE)
+        cfg = _read_json(folder, CONFIG_FILE) or {}
         # tokens transformers adds from the config when tokenizer.json lacks them
         missing = []
-        for idx, spec in sorted((cfg.get("added_tokens_decoder") or {}).items(), key=lambda kv: int(kv[0])):
-            content = _token_content(spec)
-            if content is not None and backend.token_to_id(content) is None:
-                missing.append(AddedToken(content, single_word=bool(spec.get("single_word", False)),
-                                          lstrip=bool(spec.get("lstrip", False)),
-                                          rstrip=bool(spec.get("rstrip", False)),
-                                          normalized=bool(spec.get("normalized", not spec.get("special", False))),
-                                          special=bool(spec.get("special", False))))
+        for idx, spec in _added_tokens(cfg, cfg_path):
+            f = Fields(spec, f"{cfg_path}: added_tokens_decoder[{idx!r}]", TokenizerError)
+            content = f.str("content")
+            special = f.bool("special", False)
+            if backend.token_to_id(content) is None:
+                missing.append(AddedToken(content, single_word=f.bool("single_word", False),
+                                          lstrip=f.bool("lstrip", False), rstrip=f.bool("rstrip", False),
+                                          normalized=f.bool("normalized", not special), special=special))
         if missing:
             backend.add_tokens(missing)
 
@@ -285,30 +367,38 @@ class Tokenizer:
         if isinstance(raw, str):
             templates["default"] = raw
         elif isinstance(raw, list):  # older configs: [{"name": ..., "template": ...}]
-            templates.update({t["name"]: t["template"] for t in raw if isinstance(t, Mapping) and "name" in t})
+            for i, entry in enumerate(raw):
+                f = Fields(entry, f"{cfg_path}: chat_template[{i}]", TokenizerError)
+                templates[f.str("name")] = f.str("template")
         elif raw is not None:
             raise TokenizerError(f"{os.path.join(folder, CONFIG_FILE)}: chat_template must be a string or a list of "
                                  f"{{name, template}}, got {type(raw).__name__}")
         files = {}
-        if os.path.isfile(os.path.join(folder, TEMPLATE_FILE)):
-            files["default"] = os.path.join(folder, TEMPLATE_FILE)
-        tdir = os.path.join(folder, TEMPLATE_DIR)
+        if os.path.lexists(os.path.join(folder, TEMPLATE_FILE)):
+            files["default"] = TEMPLATE_FILE
+        tdir = confined(folder, TEMPLATE_DIR, what=folder, error=TokenizerError)
         if os.path.isdir(tdir):
-            files.update({n[:-len(".jinja")]: os.path.join(tdir, n) for n in sorted(os.listdir(tdir))
+            files.update({n[:-len(".jinja")]: os.path.join(TEMPLATE_DIR, n) for n in sorted(os.listdir(tdir))
                           if n.endswith(".jinja")})
         if files:  # template files replace the config's templates (transformers 5)
             templates = {}
-            for name, p in files.items():
+            for name, rel in files.items():
+                p = confined(folder, rel, what=folder, error=TokenizerError)
                 try:
-                    with open(p, encoding="utf-8") as f:
-                        templates[name] = f.read()
-                except (OSError, UnicodeDecodeError) as e:
-                    raise TokenizerError(f"{p}: cannot read the chat template ({e})") from None
+                    with open(p, "rb") as fh:
+                        data = fh.read(MAX_TEMPLATE_CHARS + 1)
+                    if len(data) > MAX_TEMPLATE_CHARS:
+                        raise TokenizerError(f"{p}: larger than {MAX_TEMPLATE_CHARS:,} bytes; not a chat template")
+                    templates[name] = data.decode("utf-8")
+                except OSError as e:
+                    raise TokenizerError(f"{p}: cannot read the chat template ({e.strerror or e})") from None
+                except UnicodeDecodeError as e:
+                    raise TokenizerError(f"{p}: the chat template is not UTF-8 text (byte {e.start})") from None
         chat_template = templates.get("default") if set(templates) <= {"default"} else templates
 
-        gen = _read_json(os.path.join(folder, GENERATION_CONFIG_FILE)) or {}
-        eos = gen.get("eos_token_id")
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        gen = _read_json(folder, GENERATION_CONFIG_FILE) or {}
+        eos = Fields(gen, os.path.join(folder, GENERATION_CONFIG_FILE), TokenizerError).int_list(
+            "eos_token_id", [], min=0, scalar=True)
         return cls(backend, special_tokens=special, chat_template=chat_template or None, generation_eos_ids=eos,
                    source=folder)
 
@@ -390,11 +480,15 @@ class Tokenizer:
         source = self.get_chat_template(chat_template, tools)
         import jinja2
 
+        if not isinstance(source, str):
+            raise TokenizerError(f"{self.source}: the chat template is {type(source).__name__}, not text")
         try:
             template = _compile_template(source)
         except jinja2.TemplateSyntaxError as e:
             raise TokenizerError(f"{self.source}: chat template does not parse (line {e.lineno}: {e.message})") \
                 from None
+        except Exception as e:  # noqa: BLE001 (anything a hostile template does to the compiler is its fault)
+            raise TokenizerError(f"{self.source}: chat template does not compile ({type(e).__name__}: {e})") from None
         variables = dict(self.special_tokens)
         if source == CHATML_FALLBACK_TEMPLATE:
             variables["qjax_think_tags"] = (self.token_to_id("<think>") is not None
@@ -402,8 +496,24 @@ class Tokenizer:
         if enable_thinking is not None:
             variables["enable_thinking"] = bool(enable_thinking)
         variables.update(_plain(kwargs))
+        context = dict(messages=_normalize_messages(messages), tools=_plain(tools), documents=None,
+                       add_generation_prompt=add_generation_prompt, **variables)
+        _render.budget = [MAX_TEMPLATE_RANGE, time.monotonic() + MAX_TEMPLATE_SECONDS]
         try:
-            return template.render(messages=_normalize_messages(messages), tools=_plain(tools),
-                                   documents=None, add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as e:
+            pieces, size = [], 0
+            for piece in template.generate(**context):  # streamed, so size and time are checked as it goes
+                size += len(piece)
+                if size > MAX_TEMPLATE_CHARS:
+                    raise TokenizerError(f"{self.source}: chat template wrote more than {MAX_TEMPLATE_CHARS:,} "
+                                         "characters; refused")
+                _spend(0)
+                pieces.append(piece)
+            return "".join(pieces)
+        except TokenizerError:
+            raise
+        except jinja2.TemplateError as e:  # raise_exception(...) of the template, a sandbox refusal, …
             raise TokenizerError(f"{self.source}: chat template: {e}") from None
+        except Exception as e:  # noqa: BLE001 (RecursionError, TypeError of a bad include, …)
+            raise TokenizerError(f"{self.source}: chat template failed ({type(e).__name__}: {e})") from None
+        finally:
+            _render.budget = None

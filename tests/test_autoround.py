@@ -228,3 +228,79 @@ def test_calibration_data(base, tmp_path):
         calibration_ids(str(jl), None, nsamples=3, seqlen=8, vocab_size=5)
     with pytest.raises(CalibrationError, match="no such file"):
         calibration_ids(str(tmp_path / "missing.txt"), tok, nsamples=1, seqlen=8)
+
+
+def test_damaged_progress_is_named_and_refused(base, calib, tmp_path):
+    """Every progress file carries a checksum: an altered block, a truncated or edited state.json, a block that is
+    not an npz at all — each is refused with its path, never resumed into a different result."""
+    import hashlib
+    import shutil
+
+    from qjax.autoround import progress as prog
+
+    cfg = _config(iters=0)
+    model = qjax.load_model(base[0], dtype=jnp.float32)
+    pdir = tmp_path / "progress"
+
+    def stop(report):
+        if report.index == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        AutoRound(model, calib, cfg, progress=False, progress_dir=str(pdir), fingerprint={"r": 1}, on_block=stop).run()
+    good = tmp_path / "good"
+    shutil.copytree(pdir, good)
+
+    def resume():
+        AutoRound(model, calib, cfg, progress=False, progress_dir=str(pdir), fingerprint={"r": 1}, resume=True).run()
+
+    def damage(name, edit):
+        shutil.rmtree(pdir)
+        shutil.copytree(good, pdir)
+        path = pdir / name
+        path.write_bytes(edit(path.read_bytes()))
+        return str(path)
+
+    block = "block_0001.npz"
+    cases = [
+        (block, lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], "altered"),
+        (block, lambda b: b[: len(b) // 2], "altered"),
+        ("state.json", lambda b: b[: len(b) // 2], "not valid JSON"),
+        ("state.json", lambda b: b"\xff\xfe garbage", "not UTF-8"),
+        ("state.json", lambda b: b.replace(b'"done": 2', b'"done": 1'), "damaged"),
+        ("state.json", lambda b: b"[]", "JSON object"),
+    ]
+    for name, edit, text in cases:
+        path = damage(name, edit)
+        with pytest.raises(ResumeError) as info:
+            resume()
+        assert text in str(info.value) and path in str(info.value), str(info.value)
+    # a block file rewritten with its checksum made to match is still read safely (no pickle) and named on error
+    path = damage(block, lambda b: b"PK\x03\x04 not a zip")
+    state = json.loads((pdir / "state.json").read_text())
+    state["blocks"][1] = hashlib.sha256((pdir / block).read_bytes()).hexdigest()
+    body = {k: v for k, v in state.items() if k != "checksum"}
+    (pdir / "state.json").write_text(json.dumps({**body, "checksum": prog.state_checksum(body)}))
+    with pytest.raises(ResumeError, match="cannot be read") as info:
+        resume()
+    assert path in str(info.value)
+    shutil.rmtree(pdir)
+    shutil.copytree(good, pdir)
+    resume()  # the intact copy resumes
+
+
+def test_calibration_files_that_are_not_what_they_claim(base, tmp_path):
+    tok = load_tokenizer(base[0])
+    cases = [("big.jsonl", json.dumps({"input_ids": [1, 2 ** 40]}), "input_ids holds 1099511627776"),
+             ("neg.jsonl", json.dumps({"input_ids": [-3]}), "input_ids holds -3"),
+             ("bool.jsonl", json.dumps({"input_ids": [True]}), "list of integers"),
+             ("bin.txt", b"caf\xe9 au lait", "not UTF-8 text (byte 3"),
+             ("deep.json", "[" * 50_000 + "]" * 50_000, "nested 50000 levels"),
+             ("broken.jsonl", '{"text": "a"}\n{"text": ', "broken.jsonl:2: not valid JSON"),
+             ("obj.json", '{"text": "a"}', "expected a JSON list")]
+    for name, data, text in cases:
+        p = tmp_path / name
+        p.write_bytes(data if isinstance(data, bytes) else data.encode())
+        with pytest.raises(CalibrationError) as info:
+            calibration_ids(str(p), tok, nsamples=2, seqlen=4)
+        assert text in str(info.value) and str(p) in str(info.value), str(info.value)

@@ -106,3 +106,59 @@ def test_auto_round_format_and_refusals(base, tmp_path):
              *RECIPE, check=False)
     assert p.returncode == 2 and "fewer than one sample of seqlen 64" in p.stderr
     assert not os.path.exists(tmp_path / "s") and not os.path.exists(tmp_path / "b3")
+
+
+def _quantize(folder, calib, out, **kw):
+    from qjax.autoround.api import quantize_folder
+    from qjax.autoround.driver import AutoRoundConfig
+
+    cfg = AutoRoundConfig(bits=4, group_size=32, iters=0, nsamples=2, seqlen=SEQLEN, batch_size=2,
+                          disable_opt_rtn=True)
+    return quantize_folder(folder, str(out), cfg, dataset=calib, progress=False, **kw)
+
+
+def test_writes_fail_before_any_work_and_leave_nothing(base, tmp_path, monkeypatch):
+    """A place that cannot be written, or a disk without room, is refused before the model is loaded; a write that
+    fails at the end (full disk) names the folder and leaves no temporary folder; a temporary folder left by a run
+    killed during its final write is removed by the next run."""
+    import errno
+    import shutil as sh
+
+    import qjax.convert.hf_writer as writer
+
+    folder, calib = base
+    loads = []
+    real_load = qjax.load_model
+    monkeypatch.setattr(qjax, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+
+    blocker = tmp_path / "a-file"  # (permission bits do not stop root: a file where a folder must go does)
+    blocker.write_text("")
+    with pytest.raises(OSError) as info:
+        _quantize(folder, calib, blocker / "out")
+    assert f"cannot write next to {blocker / 'out'}" in str(info.value) and not loads
+
+    with monkeypatch.context() as m:
+        m.setattr(sh, "disk_usage", lambda p: sh._ntuple_diskusage(10 << 30, 10 << 30, 1 << 10))
+        with pytest.raises(OSError, match=r"has 0.00 GiB free, but writing .*full needs about") as info:
+            _quantize(folder, calib, tmp_path / "full")
+    assert info.value.errno == errno.ENOSPC and not loads
+
+    def full_disk(out, *a, **k):
+        with open(os.path.join(out, "model.safetensors"), "wb") as f:
+            f.write(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(writer, "write_weights", full_disk)
+        with pytest.raises(OSError) as info:
+            _quantize(folder, calib, tmp_path / "late")
+    assert f"writing {tmp_path / 'late'} failed: No space left on device" in str(info.value)
+    # no output and no temporary folder; the progress folder stays, so that --resume can finish the run
+    assert not [n for n in os.listdir(tmp_path) if n.startswith((".late.tmp", "late"))], os.listdir(tmp_path)
+    assert os.path.isdir(progress_dir_for(str(tmp_path / "late")))
+
+    stale = tmp_path / ".ok.tmp-killed"
+    (stale / "half").mkdir(parents=True)
+    out = _quantize(folder, calib, tmp_path / "ok")
+    assert os.path.isdir(out) and not stale.exists()
+    real_load(out)

@@ -407,14 +407,15 @@ def test_error_duplicate_and_bad_metadata(tmp_path: Path) -> None:
     _expect_error(path, "__metadata__")
 
 
-def test_zero_size_tensors_may_share_offsets(tmp_path: Path) -> None:
-    path = _raw_file(
-        tmp_path / "zeros.safetensors",
-        {
-            "x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
-            "e": {"dtype": "F32", "shape": [0], "data_offsets": [1, 1]},
-        },
-        b"\x05\x06",
-    )
-    with SafetensorsFile(path) as f:
-        assert f.get("e").shape == (0,) and f.get("x").tolist() == [5, 6]
+def test_zero_size_tensors_sit_between_tensors_not_inside_them(tmp_path: Path) -> None:
+    """As the reference reader (safetensors 0.8) decides: an empty tensor at a tensor boundary is fine, one whose
+    offset falls inside another tensor is an invalid offset."""
+    x = {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}
+    for at in (0, 2):
+        path = _raw_file(tmp_path / f"zeros{at}.safetensors",
+                         {"x": x, "e": {"dtype": "F32", "shape": [0], "data_offsets": [at, at]}}, b"\x05\x06")
+        with SafetensorsFile(path) as f:
+            assert f.get("e").shape == (0,) and f.get("x").tolist() == [5, 6]
+    path = _raw_file(tmp_path / "inside.safetensors",
+                     {"x": x, "e": {"dtype": "F32", "shape": [0], "data_offsets": [1, 1]}}, b"\x05\x06")
+    _expect_error(path, "'e'", "overlaps tensor 'x'")

@@ -245,6 +245,12 @@ def test_bad_requests_get_their_error_and_the_server_goes_on(server):
         (requests.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"}), 401,
          "API key"),
         (requests.get(url + "/v1/nothing", headers=AUTH), 404, "Not Found"),
+        (requests.post(url + "/v1/completions", data=b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                       headers=AUTH), 400, "nested 100001 levels"),
+        (requests.post(url + "/v1/completions", data=iter([b'{"prompt": "', *[b"x" * (1 << 20)] * 33, b'"}']),
+                       headers=AUTH), 413, "exceeds"),  # chunked: no Content-Length to refuse it by
+        (requests.post(url + "/v1/completions", data=b"x" * (33 << 20), headers=AUTH), 413, "exceeds"),
+        (_post(server, "/v1/completions", {"prompt": [[1]] * 1100, "max_tokens": 1}), 503, "busy"),
     ]
     for r, status, text in cases:
         assert r.status_code == status, (r.status_code, r.text)
@@ -264,7 +270,11 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     lines = r.iter_lines()
     for _ in range(3):
         next(lines)
-    assert server.metrics()["qjax:num_requests_running"] == 1
+    # the gauges are set at the end of each engine step, and the first tokens leave during the step
+    deadline = time.monotonic() + 10
+    while server.metrics()["qjax:num_requests_running"] != 1:
+        assert time.monotonic() < deadline, "the streaming request never showed as running"
+        time.sleep(0.02)
     r.close()  # the client goes away
     deadline = time.monotonic() + 10
     while server.metrics()["qjax:num_requests_running"] != 0:

@@ -15,10 +15,11 @@ import os
 import numpy as np
 
 from . import progress as prog
-from .data import calibration_ids, load_tokenizer
+from .data import calibration_ids, load_tokenizer, read_documents
 from .driver import AutoRound, AutoRoundConfig, report_json
 from .schemes import _FIELDS, check_scheme
 from qjax.builtin import default_model_dir
+from qjax.convert.hf_writer import preflight
 
 logger = logging.getLogger("qjax.autoround")
 
@@ -66,6 +67,9 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
     if fmt == "auto_round" and (cfg.data_type != "int" or _any_mx(cfg)):
         raise ValueError("--format auto_round: qjax writes INT schemes in the auto_round (GPTQ) layout; use "
                          "--format llm_compressor for MXFP8")
+    read_documents(dataset)  # a broken calibration file is reported now, not after loading the model
+    if not resume:
+        preflight(output_dir, 2 * _output_bytes(model_dir, cfg))  # the output + the progress blocks, at the end
     model = qjax.load_model(model_dir, dtype=jnp.dtype(dtype) if dtype else None)
     tokenizer = None
     try:
@@ -99,6 +103,27 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
                        layer_config=cfg.layer_config or None)
     prog.finish(pdir)
     return output_dir
+
+
+def _output_bytes(model_dir: str, cfg: AutoRoundConfig) -> int:
+    """An upper estimate of the quantized checkpoint's size, from the source's headers: every 2-D ``.weight`` at
+    the widest bits the options use (plus its scales), everything else as it is."""
+    from qjax.loading import Checkpoint
+
+    schemes = [cfg.base_scheme] + [dataclasses.replace(cfg.base_scheme, **{k: v for k, v in o.items() if k in _FIELDS})
+                                   for o in cfg.layer_config.values()]
+    bits = max(8 if s.data_type == "mx_fp" else s.bits for s in schemes)
+    group = min((s.group_size for s in schemes if s.group_size and s.group_size > 0), default=128)
+    ckpt = Checkpoint(model_dir)
+    try:
+        total = 0
+        for k in ckpt.keys():
+            n, itemsize = ckpt.where[k].nbytes(k), ckpt.get(k).itemsize  # (a view: no data is read)
+            quantizable = k.endswith(".weight") and len(ckpt.shape(k)) >= 2 and "embed_tokens" not in k
+            total += int(n * (bits + 32 / group) / (8 * itemsize)) if quantizable else n
+        return total
+    finally:
+        ckpt.close()
 
 
 def _any_mx(cfg: AutoRoundConfig) -> bool:

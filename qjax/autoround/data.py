@@ -14,12 +14,13 @@ than ``seqlen`` tokens in all is an error naming the file and the counts.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
 
 import numpy as np
+
+from qjax.validation import parse_json
 
 logger = logging.getLogger("qjax.autoround")
 
@@ -34,22 +35,23 @@ def read_documents(path: str | os.PathLike) -> list[str | list[int]]:
     if not os.path.isfile(path):
         raise CalibrationError(f"--dataset {path}: no such file (qjax reads calibration text from a local "
                                ".txt, .jsonl or .json file)")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CalibrationError(f"--dataset {path}: cannot read ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CalibrationError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     ext = os.path.splitext(path)[1].lower()
     if ext == ".jsonl":
         docs = []
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
-                try:
-                    docs.append(_doc(json.loads(line), f"{path}:{n}"))
-                except json.JSONDecodeError as e:
-                    raise CalibrationError(f"{path}:{n}: not JSON ({e.msg})") from None
+                docs.append(_doc(parse_json(line.encode(), f"{path}:{n}", error=CalibrationError), f"{path}:{n}"))
     elif ext == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CalibrationError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+        data = parse_json(raw, path, error=CalibrationError)
         if not isinstance(data, list):
             raise CalibrationError(f"{path}: expected a JSON list of strings or objects")
         docs = [_doc(d, f"{path}[{i}]") for i, d in enumerate(data)]
@@ -66,8 +68,11 @@ def _doc(obj, where: str) -> str | list[int]:
         return obj
     if isinstance(obj, dict) and "input_ids" in obj:
         ids = obj["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise CalibrationError(f"{where}: input_ids must be a list of ints")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise CalibrationError(f"{where}: input_ids must be a list of integers")
+        bad = [i for i in ids if not 0 <= i < 2**31]
+        if bad:
+            raise CalibrationError(f"{where}: input_ids holds {bad[0]}, not a token id")
         return ids
     if isinstance(obj, dict) and isinstance(obj.get("text"), str):
         return obj["text"]

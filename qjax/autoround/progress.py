@@ -10,11 +10,15 @@ passes only) instead of being stored: they are the largest thing a run holds.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import zipfile
 
 import ml_dtypes
 import numpy as np
+
+from qjax.validation import read_json
 
 from .schemes import Scheme
 
@@ -29,11 +33,37 @@ def _block_path(folder: str, i: int) -> str:
     return os.path.join(folder, f"block_{i:04d}.npz")
 
 
-def _write_state(folder: str, fingerprint: dict, done: int) -> None:
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def state_checksum(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _write_state(folder: str, fingerprint: dict, blocks: list[str]) -> None:
+    """state.json: the fingerprint, each finished block file's SHA-256, and a checksum over both (so an edited or
+    damaged progress folder is refused by name instead of resuming into a different result)."""
+    body = {"fingerprint": fingerprint, "done": len(blocks), "blocks": blocks}
     tmp = os.path.join(folder, STATE + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"fingerprint": fingerprint, "done": done}, f, indent=2, sort_keys=True)
+        json.dump({**body, "checksum": state_checksum(body)}, f, indent=2, sort_keys=True)
     os.replace(tmp, os.path.join(folder, STATE))
+
+
+def _read_state(folder: str) -> dict:
+    path = os.path.join(folder, STATE)
+    state = read_json(path, error=ResumeError)
+    body = {k: v for k, v in state.items() if k != "checksum"}
+    if state.get("checksum") != state_checksum(body) or not isinstance(state.get("blocks"), list) \
+            or state.get("done") != len(state["blocks"]):
+        raise ResumeError(f"--resume: {path} is damaged (its checksum does not match its content); start the run "
+                          "again without --resume")
+    return state
 
 
 def start(ar) -> None:
@@ -41,7 +71,7 @@ def start(ar) -> None:
     for name in os.listdir(ar.progress_dir):
         if name.startswith("block_") or name == STATE:
             os.remove(os.path.join(ar.progress_dir, name))
-    _write_state(ar.progress_dir, ar.fingerprint, 0)
+    _write_state(ar.progress_dir, ar.fingerprint, [])
 
 
 def save_block(ar, i: int) -> None:
@@ -63,19 +93,17 @@ def save_block(ar, i: int) -> None:
     tmp = path + ".tmp.npz"
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
-    _write_state(ar.progress_dir, ar.fingerprint, i + 1)
+    blocks = _read_state(ar.progress_dir)["blocks"][:i] if i else []
+    _write_state(ar.progress_dir, ar.fingerprint, [*blocks, _sha256(path)])
 
 
 def load(ar) -> int:
     """Restore the finished blocks into ``ar``; returns how many there are."""
-    from .driver import BlockReport, UnitResult
-
     folder = ar.progress_dir
     state_path = os.path.join(folder or "", STATE)
     if not folder or not os.path.isfile(state_path):
         raise ResumeError(f"--resume: no saved progress in {folder} (start the run without --resume)")
-    with open(state_path, encoding="utf-8") as f:
-        state = json.load(f)
+    state = _read_state(folder)
     saved = state.get("fingerprint", {})
     if saved != ar.fingerprint:
         diff = sorted(k for k in set(saved) | set(ar.fingerprint) if saved.get(k) != ar.fingerprint.get(k))
@@ -83,21 +111,34 @@ def load(ar) -> int:
                           "rerun with the same options or without --resume")
     done = int(state["done"])
     for i in range(done):
-        with np.load(_block_path(folder, i)) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
-            res = {}
-            for name, m in meta["units"].items():
-                packed = z[f"{name}/packed"]
-                if m["float8"]:
-                    packed = packed.view(ml_dtypes.float8_e4m3fn)
-                res[name] = UnitResult(Scheme(**m["scheme"]), packed, z[f"{name}/scale"], m["in_features"],
-                                       z[f"{name}/zp"] if f"{name}/zp" in z else None, m["scale_dtype"])
-            ar.results[i] = res
-            if "kv/k_scale" in z:
-                ar.kv_scales[i] = (z["kv/k_scale"], z["kv/v_scale"])
-            if meta["report"] is not None:
-                ar.reports.append(BlockReport(**meta["report"]))
+        path = _block_path(folder, i)
+        if not os.path.isfile(path) or _sha256(path) != state["blocks"][i]:
+            raise ResumeError(f"--resume: {path} is missing or altered (its SHA-256 differs from the one recorded "
+                              "when it was written); start the run again without --resume")
+        try:
+            _load_block(ar, i, path)
+        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+            raise ResumeError(f"--resume: {path} cannot be read ({type(e).__name__}: {e})") from None
     return done
+
+
+def _load_block(ar, i: int, path: str) -> None:
+    from .driver import BlockReport, UnitResult
+
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(bytes(z["meta"]).decode())
+        res = {}
+        for name, m in meta["units"].items():
+            packed = z[f"{name}/packed"]
+            if m["float8"]:
+                packed = packed.view(ml_dtypes.float8_e4m3fn)
+            res[name] = UnitResult(Scheme(**m["scheme"]), packed, z[f"{name}/scale"], m["in_features"],
+                                   z[f"{name}/zp"] if f"{name}/zp" in z else None, m["scale_dtype"])
+        ar.results[i] = res
+        if "kv/k_scale" in z:
+            ar.kv_scales[i] = (z["kv/k_scale"], z["kv/v_scale"])
+        if meta["report"] is not None:
+            ar.reports.append(BlockReport(**meta["report"]))
 
 
 def finish(folder: str) -> None:

@@ -18,7 +18,6 @@ Module matching follows ``compressed_tensors.utils.match`` + ``lifecycle.apply``
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from typing import Any
@@ -213,16 +212,9 @@ class QuantizationConfig:
     @classmethod
     def from_config_json(cls, path: str | os.PathLike[str]) -> "QuantizationConfig | None":
         """Read ``config.json`` (or a checkpoint folder holding one); None when it has no ``quantization_config``."""
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise QuantConfigError(f"{path}: cannot read the config: {e}") from e
-        if not isinstance(data, dict):
-            raise QuantConfigError(f"{path}: the config is not a JSON object")
+        from qjax.config import read_config
+
+        path, data = read_config(path)
         qc = data.get("quantization_config")
         if qc is None:
             return None

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..validation import parse_json
 from .engine import Engine, EngineError
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, Defaults, ReasoningStream, TextAssembler,
@@ -49,6 +50,7 @@ class ServerState:
     defaults: Defaults = Defaults()
     api_key: str | None = None
     reasoning_parser: str | None = None  # "qwen3" (deepseek_r1 behaves the same for these tags)
+    max_waiting: int = 1024  # engine requests (prompts × n) queued at most; beyond it a request gets 503
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -196,11 +198,18 @@ def _error(e: ApiError) -> JSONResponse:
 
 
 async def _json_object(request: Request) -> dict:
-    raw = await request.body()
+    """The request's JSON object, read at most :data:`MAX_BODY_BYTES` (whether or not it declares its length) and
+    parsed with qjax.validation's bounds (UTF-8, nesting)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}") from None
+        body = parse_json(b"".join(chunks), "request body", error=ValueError)
+    except ValueError as e:
+        raise ApiError(400, f"malformed JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -292,6 +301,11 @@ class _Run:
                                     skip_special_tokens=req.skip_special_tokens)
                 self.choices.append(_Choice(len(self.choices), p, f"{self.id}-{len(self.choices)}", asm))
                 self.params.append(sp)
+        waiting = state.engine.num_pending
+        if waiting + len(self.choices) > state.max_waiting:
+            raise ApiError(503, f"the server is busy: {waiting} requests are waiting and this one adds "
+                                f"{len(self.choices)} (limit --max-waiting-requests {state.max_waiting}); retry "
+                                "later")
 
     def submit(self) -> None:
         def deliver(i: int, out) -> None:

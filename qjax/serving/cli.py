@@ -20,6 +20,8 @@ import signal
 import socket
 import sys
 
+from ..chat_cli import add_verify_argument
+
 # Flags that steer vLLM's own machinery and mean nothing to qjax: accepted, with this note.
 IGNORED_FLAGS: dict[str, str] = {
     "--trust-remote-code": "qjax runs its own qwen3_5_moe code; no remote code is loaded",
@@ -103,11 +105,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="return the <think> block as reasoning_content")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the tokenizer's)")
     p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests (prompts × n) that may wait for a slot; more get HTTP 503 (default 1024)")
     p.add_argument("--seed", type=int, default=None, help="seeds the random seeds of requests that send none")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--speculative-config", default=None, help="not implemented yet (refused)")
     p.add_argument("--no-warmup", action="store_true", help="compile the engine's programs on first use")
+    add_verify_argument(p)
     for flag, why in IGNORED_FLAGS.items():
         if flag in _VALUE_IGNORED:
             p.add_argument(flag, default=None, help=f"ignored: {why}")
@@ -293,7 +298,7 @@ def _serve(a: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise ServeError(f"--chat-template {a.chat_template}: cannot read ({e})") from None
     dtype = DTYPES[a.dtype]
-    model = qjax.load_model(folder, dtype=jnp.dtype(dtype) if dtype else None, mesh=mesh)
+    model = qjax.load_model(folder, dtype=jnp.dtype(dtype) if dtype else None, mesh=mesh, verify=a.verify)
     if a.kv_cache_dtype in ("fp8", "fp8_e4m3"):
         if not model.kv_fp8:
             _note("--kv-cache-dtype fp8: the checkpoint has no static K/V scales; using 1.0 (as vLLM does)")
@@ -335,7 +340,7 @@ def _serve(a: argparse.Namespace) -> int:
         print(f"qjax serve: compiled {n} engine programs", file=sys.stderr, flush=True)
     state = ServerState(engine=engine, tokenizer=tokenizer, served_names=served, root=folder, metrics=metrics,
                         defaults=Defaults.from_generation_config(gc), api_key=a.api_key,
-                        reasoning_parser=a.reasoning_parser)
+                        reasoning_parser=a.reasoning_parser, max_waiting=a.max_waiting_requests)
     return serve_app(create_app(state), engine, a.host, a.port, a.uvicorn_log_level)
 
 

@@ -440,6 +440,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_pending(self) -> int:
+        """Requests not yet running: waiting for a slot, or added and not yet taken in by a step (any thread)."""
+        return len(self._waiting) + self._inbox.qsize()
+
     def has_work(self) -> bool:
         return bool(self._seqs) or not self._inbox.empty()
 
