@@ -64,6 +64,8 @@ def throughput(dtype: str, mb: int, repeats: int) -> tuple[float, float]:
     arr = raw.view(np_dtype)
     if dtype == "BF16":
         arr = (arr & 0x3FFF)  # finite values everywhere, so the check runs to the end
+    elif dtype == "F32":
+        arr = arr & 0x3FFFFFFF
     elif dtype == "F8_E4M3":
         arr = arr & 0x3F
     elif dtype == "U8":
@@ -89,6 +91,7 @@ def checkpoint_rows(repeats: int) -> tuple[list[str], dict]:
     from qjax.convert.planner import ST_ITEMSIZE, recipe_headers
 
     rates = {d: throughput(d, 256, repeats) for d in ("BF16", "F8_E4M3", "U8", "F32")}
+    per_tensor = per_call(repeats)
     cfg = TextConfig.from_file(CONFIG)
     rows = []
     for recipe in RECIPES:
@@ -102,11 +105,31 @@ def checkpoint_rows(repeats: int) -> tuple[list[str], dict]:
                 unchecked += n  # packed INT words, zero points, weight_shape: every bit pattern is valid
                 continue
             checked += n
-            seconds += n / rate[0]
+            seconds += n / rate[0] + per_tensor
             copy_seconds += n / rate[1]
-        rows.append(f"| {recipe} | {(checked + unchecked) / GIB:.1f} | {checked / GIB:.1f} | {seconds:.1f} s | "
+        rows.append(f"| {recipe} | {len(headers):,} | {(checked + unchecked) / GIB:.1f} | {checked / GIB:.1f} | "
+                    f"{seconds:.1f} s | "
                     f"{copy_seconds:.1f} s | {seconds / copy_seconds:.2f}× |")
-    return rows, rates
+    return rows, rates, per_tensor
+
+
+def per_call(repeats: int) -> float:
+    """Seconds of one verify_values call on a tiny tensor: the fixed cost each of a checkpoint's tensors adds (the
+    per-expert 35B checkpoints hold ~100k of them)."""
+    from qjax.loading import verify_values
+
+    class One:
+        folder = "bench"
+
+        def dtype(self, key):
+            return "BF16"
+
+        def file_of(self, key):
+            return "bench.safetensors"
+
+    arr = np.zeros(64, np.uint16)
+    n = 1000
+    return median_time(lambda: [verify_values(One(), "x.weight", arr) for _ in range(n)], repeats) / n
 
 
 def main(argv=None) -> int:
@@ -118,7 +141,7 @@ def main(argv=None) -> int:
 
     xla_env.apply(single_threaded=True)
 
-    rows, rates = checkpoint_rows(a.repeats)
+    rows, rates, per_tensor = checkpoint_rows(a.repeats)
     built = builtin_rows(a.repeats)
     rate_text = ", ".join(f"{d} {r[0] / GIB:.1f} GiB/s (memcpy {r[1] / GIB:.1f})" for d, r in rates.items())
     text = "\n".join([
@@ -127,7 +150,8 @@ def main(argv=None) -> int:
         f"- date: {datetime.date.today()}, {describe()}",
         f"- command: `python benchmarks/verify_cost.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
         f"- method: {' '.join(__doc__.split(chr(10) + chr(10))[2].split())} Median of {a.repeats} runs.",
-        f"- check throughput per dtype (one core, 256 MiB, in memory): {rate_text}",
+        f"- check throughput per dtype (one core, 256 MiB, in memory): {rate_text}; fixed cost per tensor "
+        f"{per_tensor * 1e6:.0f} µs (counted below for every checked tensor)",
         "",
         "| model | what | time | verify on ÷ off |",
         "|---|---|---|---|",
@@ -136,8 +160,8 @@ def main(argv=None) -> int:
         "Qwen3.6-35B-A3B (text model, from shapes: `qjax/assets/configs/qwen3_6_35b_a3b.json`), the check alone at "
         "the throughputs above (data already in memory; a load from disk reads at the disk's rate first):",
         "",
-        "| recipe | checkpoint GiB | checked GiB | check | one memcpy of those bytes | check ÷ memcpy |",
-        "|---|---|---|---|---|---|",
+        "| recipe | tensors | checkpoint GiB | checked GiB | check | one memcpy of those bytes | check ÷ memcpy |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
     ])
