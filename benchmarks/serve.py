@@ -41,7 +41,7 @@ def make_model(kind: str, recipe: str, dtype: str):
 
     if kind == "builtin":
         return qjax.load_model(default_model_dir(), dtype=jnp.dtype(dtype)), f"built-in model ({dtype})"
-    cfg = load_config(None, scale=8 if kind == "scale8" else 1)
+    cfg = load_config(None, scale=8, layers=8) if kind == "scale8" else load_config(None)
     name = "Qwen3.6-35B-A3B shapes" + (" ÷ 8 (8 layers)" if kind == "scale8" else "")
     return random_model(cfg, recipe, dtype=jnp.dtype(dtype)), f"{name}, random weights, {recipe}, {dtype}"
 
