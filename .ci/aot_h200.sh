@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Deviceless AOT compile of every Pallas kernel variant for an H200 (KERNELS.md §6 "Level B"; no GPU needed).
+# Deviceless AOT compile of every Pallas kernel variant for an H200 (docs/kernels.md §6 "Level B"; no GPU needed).
 # Shared-memory / resource errors that would only surface on the H200 fail here.
 #
 # Env: .venv-aot (Python 3.12) with the GPU image's stack, jax == jaxlib == jax-cuda13-plugin == jax-cuda13-pjrt

@@ -5,10 +5,10 @@ Models (``--config``):
   consecutive ``seqlen + 48``-token windows of its calib.txt as a JSON list of documents; W4A16 g64 + int2 g64
   experts (g64 because its intermediate size is 64); held-out yardstick: 8 × 256 tokens of its heldout.txt.
 - ``mid``: a seeded random transformers ``Qwen3_5MoeForCausalLM`` of cpu_speed.py's ``mid`` config (hidden 512,
-  8 layers [lin, lin, lin, full] × 2, 32 experts top-4, expert/shared intermediate 256; AUTOROUND.md's anchor), bf16,
+  8 layers [lin, lin, lin, full] × 2, 32 experts top-4, expert/shared intermediate 256; docs/autoround.md's anchor), bf16,
   word-level tokenizer, random Zipf-word documents; W4A16 g128 + int2 g64 experts (seed 000's recipe).
 Both tools read the same JSON file with the same ``iters``, ``nsamples``, ``seqlen``, ``batch_size`` (defaults:
-AUTOROUND.md's anchor, 50 / 32 / 256 / 8) and write llm_compressor folders.
+docs/autoround.md's anchor, 50 / 32 / 256 / 8) and write llm_compressor folders.
 
 auto-round runs eager: its default torch.compile path on CPU (torch 2.13 inductor) logs NaN for every block's loss on
 this architecture, so it cannot be the baseline.
@@ -65,7 +65,7 @@ def write_model(folder: str, config: str) -> None:
     if config == "default":
         import shutil
 
-        from qjax.builtin import default_model_dir
+        from qjax.checkpoint.hub import default_model_dir
 
         shutil.copytree(default_model_dir(), folder)
         return
@@ -159,10 +159,11 @@ def run_auto_round(base: str, calib: str, out: str, a) -> dict:
 
 
 def run_qjax(base: str, calib: str, out: str, a) -> dict:
+    from qjax.convert import save_pretrained
+
     import qjax
     from qjax.autoround.data import calibration_ids, load_tokenizer
     from qjax.autoround.driver import AutoRound, AutoRoundConfig
-    from qjax.convert import save_pretrained
 
     model = qjax.load_model(base)
     ids = calibration_ids(calib, load_tokenizer(base), nsamples=a.nsamples, seqlen=a.seqlen)

@@ -81,7 +81,7 @@ def run_recipe(recipe: str, args: list[str], timeout: float) -> tuple[dict | Non
 
 
 def _table(results: list[dict], full: bool) -> list[str]:
-    from qjax.bench import format_memory, format_table
+    from qjax.runtime.bench import format_memory, format_table
 
     lines = [format_table(results), "", format_memory(results)]
     if full:
@@ -96,7 +96,7 @@ def _table(results: list[dict], full: bool) -> list[str]:
 
 
 def render(results: list[dict], failures: dict[str, str], a, section: str) -> str:
-    from qjax.bench import format_profile
+    from qjax.runtime.bench import format_profile
 
     first = results[0] if results else {}
     command = ("python benchmarks/e2e.py" + (" --full" if a.full else "") if a.from_json
@@ -109,7 +109,7 @@ def render(results: list[dict], failures: dict[str, str], a, section: str) -> st
              f"- qjax: {first.get('git') or git_state()}",
              f"- config: {json.dumps(first.get('config', {}))}",
              "- method: median of the timed calls after one compiling call; qjax and the baseline interleaved. "
-             "prefill: `_prefill` of qjax.generate into a fresh cache (logits of the last position), tok/s = B·T / "
+             "prefill: `prefill` of qjax.generate into a fresh cache (logits of the last position), tok/s = B·T / "
              "time; TTFT: host prompt → first token on the host, batch 1; decode: qjax.generate's `while_loop` for N "
              "forward steps from a warm cache, greedy, tok/s = B·N / time; baseline: the same programs with "
              "`impl=\"xla\"` (every call dequantizes whole weights, all experts, then dot / ragged_dot); decode bound = "

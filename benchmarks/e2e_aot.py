@@ -44,9 +44,9 @@ NOTES = """- History of this table: at commit de5439f the scan sliced every stac
 - At batch 64 (`--batch 64`, mxfp8-experts) nothing large is copied either; XLA temp is 5.1 GB there (9.1 GB
   before the GDN states were carried and updated in place): the new KV and conv-window stacks the scan writes.
 - Launches per step (columns added 2026-12-01): at batch 1 the w2w4 step's 2,211 MB take ~0.5 ms at the
-  H200's ~4.3 TB/s (KERNELS.md: measured copy, not verified here) and the 1,000 tok/s target leaves 1 ms, while a
+  H200's ~4.3 TB/s (docs/kernels.md: measured copy, not verified here) and the 1,000 tok/s target leaves 1 ms, while a
   CUDA graph still pays a fixed cost per kernel (launch and ramp, of the order of a microsecond; not measured here):
-  ~1,300 launches can cost as much as the bytes (KERNELS.md: "batch 1 is latency-bound"). Changes of 2026-12-01,
+  ~1,300 launches can cost as much as the bytes (docs/kernels.md: "batch 1 is latency-bound"). Changes of 2026-12-01,
   w2w4 1,745 → 1,308: the MoE kernels take one token's k slots as k blocks directly (no alignment kernels: −280);
   the 1-row `shared_expert_gate` goes to XLA's fused dot instead of a pad copy + the dense kernel (−80); the layer
   scan carries its group index instead of slicing an index array (−11: one async copy per iteration, which also
@@ -122,10 +122,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import jax
-
-    from qjax import bench
     from qjax.kernels import aot_h200
-    from qjax.random_model import abstract_recipe_model
+
+    from qjax.runtime import bench
+    from qjax.runtime.random_model import abstract_recipe_model
 
     cfg = bench.load_config()
     groups = cfg.num_hidden_layers // 4

@@ -32,10 +32,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from qjax.kernels import QuantMeta, ops
+from qjax.kernels import QuantMeta, dense_meta, dequantize, ops
 from qjax.kernels.moe_reference import experts_grouped
-from qjax.kernels.reference import dense_meta, dequantize
 
 DENSE_SHAPES = [(8192, 2048), (2048, 4096), (4096, 2048), (512, 2048), (2048, 512)]
 MS = [1, 8, 64, 512]
@@ -131,8 +129,8 @@ def dense_stack_cases(args, bw, rows, layers: int = 10):
         g = jnp.int32(layers // 2)
         for m in MS:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-            ref = jax.jit(lambda x, w, g: ops.matmul(x, w, impl="reference", group=g))
-            pal = jax.jit(lambda x, w, g: ops.matmul(x, w, impl=args.impl, group=g))
+            ref = jax.jit(lambda x, w, g: ops.matmul(x, w, impl="reference", layer=g))
+            pal = jax.jit(lambda x, w, g: ops.matmul(x, w, impl=args.impl, layer=g))
             bf = jax.jit(lambda x, w: x @ w.T)
             row = dict(case=f"dense bf16-stack {n}x{k}", m=m)
             row["bf16"] = timeit(bf, x, w[0], repeats=args.repeats)

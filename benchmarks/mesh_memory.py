@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 
-import qjax
 from qjax.convert.planner import plan_recipe
+
+import qjax
 
 CONFIG = os.path.join(os.path.dirname(qjax.__file__), "assets", "configs", "qwen3_6_35b_a3b.json")
 RECIPES = ["bf16", "w2w4", "w8a16-g32", "mxfp8-experts"]

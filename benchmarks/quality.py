@@ -60,10 +60,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import qjax
-    from qjax import train as T
     from qjax.autoround.data import calibration_ids, load_tokenizer
     from qjax.autoround.driver import AutoRound, AutoRoundConfig
-    from qjax.builtin import default_model_dir
+    from qjax.builtin import train as T
+    from qjax.checkpoint.hub import default_model_dir
 
     folder = default_model_dir()
     model = qjax.load_model(folder)

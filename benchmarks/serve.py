@@ -30,14 +30,13 @@ import numpy as np
 from report import append, describe
 
 
-
 def make_model(kind: str, recipe: str, dtype: str):
     import jax.numpy as jnp
 
     import qjax
-    from qjax.bench import load_config
-    from qjax.builtin import default_model_dir
-    from qjax.random_model import random_model
+    from qjax.checkpoint.hub import default_model_dir
+    from qjax.runtime.bench import load_config
+    from qjax.runtime.random_model import random_model
 
     if kind == "builtin":
         return qjax.load_model(default_model_dir(), dtype=jnp.dtype(dtype)), f"built-in model ({dtype})"
@@ -188,7 +187,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=None)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--output", type=int, default=64)
-    p.add_argument("--steps", type=int, default=4, help="--num-scheduler-steps")
+    p.add_argument("--steps", type=int, default=8, help="--num-scheduler-steps")
     p.add_argument("--batched-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--write", action="store_true", help="append the tables to benchmarks/RESULTS.md")

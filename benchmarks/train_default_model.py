@@ -275,7 +275,7 @@ def main(argv=None) -> int:
                     help="only rewrite <out>/README.md from <out>/training_log.json")
     a = ap.parse_args(argv)
     if a.readme_only:
-        from qjax.config import TextConfig
+        from qjax.model.config import TextConfig
 
         with open(os.path.join(a.out, "training_log.json"), encoding="utf-8") as f:
             record = json.load(f)
@@ -286,13 +286,12 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
+    from qjax.convert import save_pretrained
 
     import qjax
-    from qjax import train as T
-    from qjax.config import TextConfig
-    from qjax.convert import save_pretrained
-    from qjax.generate import GenerationConfig
-    from qjax.tokenizer_train import ENDOFTEXT, save_tokenizer, train_tokenizer
+    from qjax.builtin import train as T
+    from qjax.builtin.train_tokenizer import ENDOFTEXT, save_tokenizer, train_tokenizer
+    from qjax.model.config import GenerationConfig, TextConfig
 
     def say(msg):
         print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)

@@ -41,7 +41,7 @@ def builtin_rows(repeats: int) -> list[str]:
     from flax import nnx
 
     import qjax
-    from qjax.builtin import default_model_dir
+    from qjax.checkpoint.hub import default_model_dir
 
     folder = default_model_dir()
 
@@ -56,7 +56,7 @@ def builtin_rows(repeats: int) -> list[str]:
 
 def throughput(dtype: str, mb: int, repeats: int) -> tuple[float, float]:
     """(check, memcpy) bytes/s on ``mb`` MiB of random bytes of safetensors dtype ``dtype``."""
-    from qjax.loading import verify_values
+    from qjax.checkpoint.loading import verify_values
 
     n = mb << 20
     raw = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
@@ -87,8 +87,9 @@ def throughput(dtype: str, mb: int, repeats: int) -> tuple[float, float]:
 
 
 def checkpoint_rows(repeats: int) -> tuple[list[str], dict]:
-    from qjax.config import TextConfig
     from qjax.convert.planner import ST_ITEMSIZE, recipe_headers
+
+    from qjax.model.config import TextConfig
 
     rates = {d: throughput(d, 256, repeats) for d in ("BF16", "F8_E4M3", "U8", "F32")}
     per_tensor = per_call(repeats)
@@ -116,7 +117,7 @@ def checkpoint_rows(repeats: int) -> tuple[list[str], dict]:
 def per_call(repeats: int) -> float:
     """Seconds of one verify_values call on a tiny tensor: the fixed cost each of a checkpoint's tensors adds (the
     per-expert 35B checkpoints hold ~100k of them)."""
-    from qjax.loading import verify_values
+    from qjax.checkpoint.loading import verify_values
 
     class One:
         folder = "bench"

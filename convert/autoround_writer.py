@@ -1,12 +1,12 @@
 """Write an INT-quantized qjax model in auto-round's own checkpoint format (``--format auto_round``).
 
-The folder mirrors what auto-round 0.16.1 writes for a ``qwen3_5_moe_text`` model (AUTOROUND.md §16.1) and loads in
+The folder mirrors what auto-round 0.16.1 writes for a ``qwen3_5_moe_text`` model (docs/autoround.md §16.1) and loads in
 transformers through its auto-round quantizer (``AutoModelForCausalLM.from_pretrained`` with auto-round installed):
 
 * every quantized ``nn.Linear`` (routed experts per expert: ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj``,
   as auto-round unfuses them) as ``qweight`` / ``qzeros`` / ``scales`` (F16) in the packing auto-round picks —
   symmetric → ``auto_round:auto_gptq`` (GPTQ v1, zp − 1), asymmetric and all 4-bit → ``auto_round:auto_awq``, other
-  asymmetric → ``auto_round``; the codecs live in :mod:`qjax.loading_autoround`, the loader's half;
+  asymmetric → ``auto_round``; the codecs live in :mod:`qjax.checkpoint.auto_round`, the loader's half;
 * everything else (embeddings, norms, router ``mlp.gate``, ``shared_expert_gate``, GDN parameters, dense linears,
   an unquantized ``lm_head``) exactly as :func:`qjax.convert.save_pretrained` writes it: same keys, same dtype;
 * ``config.json`` with auto-round's ``quantization_config`` (also written alone as ``quantization_config.json``).
@@ -24,11 +24,15 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
+from qjax.convert.hf_writer import (
+    DEFAULT_SHARD_BYTES,
+    hf_config,
+    write_atomically,
+    write_json,
+    write_weights,
+)
 
-from qjax.autoround.schemes import standard_regex
-from qjax.convert.hf_writer import (DEFAULT_SHARD_BYTES, _write_json, checkpoint_tensors, hf_config, write_atomically,
-                                     write_weights)
-from qjax.loading_autoround import (
+from qjax.checkpoint.auto_round import (
     AUTOROUND_METHOD,
     AWQ,
     GPTQ,
@@ -38,8 +42,10 @@ from qjax.loading_autoround import (
     AutoRoundError,
     check_layer_dims,
     ct_to_autoround,
+    standard_regex,
 )
-from qjax.loading_quant import layer_linears
+from qjax.checkpoint.layout import checkpoint_tensors
+from qjax.checkpoint.quant_plan import layer_linears
 from qjax.quant.packing import unpack_zero_point
 
 __all__ = ["AUTOROUND_VERSION", "AutoRoundError", "autoround_quantization_config", "save_autoround"]
@@ -103,7 +109,7 @@ def _global_scheme(linears: list[Linear]) -> ArScheme:
         if pool:
             return collections.Counter(pool).most_common(1)[0][0]
     raise AutoRoundError("the model has no quantized linear layers: quantize it first (e.g. "
-                         "qjax.quant.rtn.quantize_model) or write it with qjax.convert.save_pretrained")
+                         "qjax.autoround.rtn.quantize_model) or write it with qjax.convert.save_pretrained")
 
 
 def _pick_packing(schemes: list[ArScheme], requested: str | None) -> str:
@@ -190,7 +196,7 @@ def autoround_quantization_config(model, *, tuning: Mapping | None = None, layer
     """
     quant = getattr(model, "quant", None)
     if quant is None or quant.is_empty:
-        raise AutoRoundError("the model is not quantized: quantize it first (e.g. qjax.quant.rtn.quantize_model) or "
+        raise AutoRoundError("the model is not quantized: quantize it first (e.g. qjax.autoround.rtn.quantize_model) or "
                              "write it with qjax.convert.save_pretrained")
     if quant.kv_cache is not None:
         raise AutoRoundError("FP8 KV-cache scales have no place in the auto_round INT format; use save_pretrained")
@@ -311,8 +317,8 @@ def save_autoround(model, out_dir: str | os.PathLike, *, overwrite: bool = False
     def write(folder: str) -> None:
         hf_cfg = hf_config(model, out_dtype)
         hf_cfg["quantization_config"] = qc
-        _write_json(os.path.join(folder, "config.json"), hf_cfg)
-        _write_json(os.path.join(folder, "quantization_config.json"), qc)  # auto-round writes it alongside
+        write_json(os.path.join(folder, "config.json"), hf_cfg)
+        write_json(os.path.join(folder, "quantization_config.json"), qc)  # auto-round writes it alongside
         write_weights(folder, autoround_tensors(model, qc, dtype=out_dtype), model=model,
                       max_shard_bytes=max_shard_bytes, extra_files=extra_files)
 

@@ -1,6 +1,6 @@
 """Write a qjax model as a Hugging Face checkpoint folder (``qwen3_5_moe_text``) that transformers and qjax load.
 
-Key names come from :func:`qjax.loading.expected_tensors` — the loader's own map, read backwards — so writer and
+Key names come from :func:`qjax.checkpoint.layout.expected_tensors` — the loader's own map, read backwards — so writer and
 loader cannot drift. The folder is written next to the target under a temporary name and renamed at the end: a
 failed or interrupted write never leaves a half-written checkpoint behind.
 """
@@ -14,87 +14,14 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from qjax.loading import _leaf_shapes, expected_tensors
-from qjax.loading_quant import layer_linears
+from qjax.checkpoint.layout import checkpoint_tensors
+from qjax.checkpoint.quant_plan import layer_linears
+from qjax.checkpoint.safetensors_io import INDEX_FILE_NAME, write_safetensors
 from qjax.quant.config import KVCacheScheme, QuantizationConfig, WeightScheme
-from qjax.quant.packing import pack_zero_point
-from qjax.safetensors_io import INDEX_FILE_NAME, write_safetensors
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
-
-
-def _variables(model) -> tuple[dict[tuple, jax.Array], dict[tuple, bool]]:
-    """Variable values by path, and whether each is a trainable Param (cast to the output dtype) or packed storage
-    (written bit for bit)."""
-    values, is_param = {}, {}
-    for p, v in nnx.to_flat_state(nnx.state(model)):
-        values[tuple(p)] = v.get_value() if hasattr(v, "get_value") else v.value
-        is_param[tuple(p)] = isinstance(v, nnx.Param)
-    return values, is_param
-
-
-def _all_per_expert(cfg, model) -> dict[str, bool]:
-    stems = {f"model.layers.{i}.": False for i in range(cfg.num_hidden_layers)}  # transformers writes per expert
-    if getattr(model, "mtp", None) is not None:
-        stems.update({f"mtp.layers.{i}.": False for i in range(max(1, cfg.mtp_num_hidden_layers))})
-    return stems
-
-
-def checkpoint_tensors(model, *, fused_experts: bool = False, dtype=None) -> list[tuple[str, int, Callable]]:
-    """Every checkpoint tensor as ``(hf_key, nbytes, get)``; ``get()`` pulls that one tensor to the host.
-
-    Quantized modules are written in compressed-tensors' layout (``weight_packed`` + ``weight_scale`` +
-    ``weight_shape`` [+ ``weight_zero_point`` packed along rows], or float8 ``weight`` + U8 ``weight_scale``; FP8 KV
-    ``k_scale``/``v_scale``): the inverse of the loader's transforms.
-
-    Args:
-      fused_experts: write dense experts as ``mlp.experts.gate_up_proj``/``down_proj`` stacks (the official BF16
-        layout) instead of transformers' per-expert keys. Quantized experts are always per expert.
-      dtype: dtype of the float parameters on disk (default: the model dtype; ``A_log``/``dt_bias``, fp32 in memory,
-        follow it like transformers' checkpoints do). Quantization scales keep their own dtype.
-    """
-    cfg = model.config
-    values, is_param = _variables(model)
-    targets = expected_tensors(model, _leaf_shapes(model),
-                               fused_experts={} if fused_experts else _all_per_expert(cfg, model),
-                               text_prefix="model.")
-    out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
-    quant = getattr(model, "quant", None)
-    kv_dtype = np.dtype(jnp.dtype(quant.kv_scale_dtype)) if quant is not None else np.dtype(np.float32)
-    per_tensor_kv = quant is not None and quant.kv_cache == "tensor"
-
-    def getter(t):
-        def get() -> np.ndarray:
-            if t.transform == "weight_shape":
-                return np.asarray(t.info, np.int64)
-            arr = values[t.path]
-            host = np.asarray(arr[t.index(arr.ndim)])
-            if t.transform == "zero_point":
-                return pack_zero_point(host.astype(np.int8), t.info[0]).astype(np.int32)
-            if t.transform == "kv_scale":
-                return (host[:1] if per_tensor_kv else host).astype(kv_dtype)
-            if is_param[t.path] and host.dtype != out_dtype and host.dtype.kind in "fV":
-                return host.astype(out_dtype)
-            return host.reshape(t.shape)
-        return get
-
-    def nbytes(t) -> int:
-        if t.transform == "weight_shape":
-            return 16
-        if t.transform == "kv_scale":
-            return kv_dtype.itemsize * (1 if per_tensor_kv else t.info[0])
-        kind = np.dtype(values[t.path].dtype)
-        itemsize = out_dtype.itemsize if is_param[t.path] and kind.kind in "fV" else kind.itemsize
-        if t.transform == "zero_point":
-            itemsize = 4
-        return int(np.prod(t.shape)) * itemsize
-
-    return [(key, nbytes(targets[key]), getter(targets[key])) for key in sorted(targets)]
 
 
 def quantization_config(model) -> dict | None:
@@ -159,7 +86,7 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, dtype=None, fused_expe
         qc = quantization_config(model)
         if qc is not None:
             hf_cfg["quantization_config"] = qc
-        _write_json(os.path.join(folder, "config.json"), hf_cfg)
+        write_json(os.path.join(folder, "config.json"), hf_cfg)
         write_weights(folder, checkpoint_tensors(model, fused_experts=fused_experts, dtype=out_dtype),
                       model=model, max_shard_bytes=max_shard_bytes, extra_files=extra_files)
 
@@ -266,7 +193,7 @@ def write_weights(folder: str, tensors: list[tuple[str, int, Callable]], *, mode
                   extra_files: Iterable[str]) -> None:
     """generation_config.json, the safetensors shards of ``tensors`` ((key, bytes, get) — one shard on the host at a
     time) with their index when there are several, and ``extra_files`` copied as they are."""
-    _write_json(os.path.join(folder, "generation_config.json"), generation_config(model))
+    write_json(os.path.join(folder, "generation_config.json"), generation_config(model))
     plan: list[list[tuple[str, int, Callable]]] = [[]]
     size = 0
     for item in tensors:
@@ -281,13 +208,13 @@ def write_weights(folder: str, tensors: list[tuple[str, int, Callable]], *, mode
         write_safetensors(os.path.join(folder, name), {k: get() for k, _, get in items}, metadata={"format": "pt"})
     if n > 1:
         weight_map = {k: name for name, items in zip(names, plan) for k, _, _ in items}
-        _write_json(os.path.join(folder, INDEX_FILE_NAME),
+        write_json(os.path.join(folder, INDEX_FILE_NAME),
                     {"metadata": {"total_size": sum(b for _, b, _ in tensors)}, "weight_map": weight_map})
     for src in extra_files:
         shutil.copyfile(src, os.path.join(folder, os.path.basename(src)))
 
 
-def _write_json(path: str, obj) -> None:
+def write_json(path: str, obj) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")

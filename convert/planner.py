@@ -13,9 +13,17 @@ import json
 import os
 from collections import defaultdict
 
+import jax.numpy as jnp
 import numpy as np
 
-from qjax.config import FULL, LINEAR, TextConfig
+from qjax.checkpoint.layout import expected_tensors, is_linear, packed_tensors, per_expert_layout, text_prefix
+from qjax.checkpoint.loading import check_folder, checkpoint_dtype, verify_folder
+from qjax.checkpoint.quant_plan import plan_quantization
+from qjax.checkpoint.safetensors_io import dtype_name
+from qjax.model.config import FULL, LINEAR, TextConfig
+from qjax.model.qwen3_5_moe import abstract_model
+from qjax.model.sharding import abstract_plan, per_device_bytes
+from qjax.model.variables import variable_shapes
 from qjax.quant.config import QuantizationConfig
 
 ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
@@ -129,18 +137,14 @@ def _label(key: str, dtype: str, quant_modules: dict[str, str]) -> str:
 def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: QuantizationConfig | None,
          *, dtype=None, mesh=None) -> Plan:
     """Everything from headers: the loader's own plan + abstract model, so device bytes are what loading allocates."""
-    from qjax.loading import _default_dtype_from, _leaf_shapes, _text_prefix
-    from qjax.loading_quant import plan_quantization
-    from qjax.model import abstract_model
-
     keys = set(headers)
-    prefix = _text_prefix(keys)
+    prefix = text_prefix(keys)
     dtype_of = lambda k: headers[k][1]  # noqa: E731
     quant = plan_quantization(cfg, qc, keys, dtype_of, text_prefix=prefix, source="config.json")
-    dt = dtype if dtype is not None else _default_dtype_from(headers.get(prefix + "embed_tokens.weight", (None, None))[1],
-                                                              cfg)
+    dt = dtype if dtype is not None else checkpoint_dtype(headers.get(prefix + "embed_tokens.weight", (None, None))[1],
+                                                           cfg)
     model = abstract_model(cfg, dtype=dt, with_mtp=any(k.startswith("mtp.") for k in keys), quant=quant)
-    device = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in _leaf_shapes(model).values())
+    device = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variable_shapes(model).values())
     quant_modules = {}
     for k in keys:
         for suffix in (".weight_packed", ".weight_scale"):
@@ -170,7 +174,6 @@ def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: Q
 
 def _plan_mesh(p: Plan, model, mesh) -> None:
     """Per-device bytes on ``mesh`` from the loader's own PartitionSpec rules (no devices needed)."""
-    from qjax.sharding import abstract_plan, per_device_bytes
 
     rules = abstract_plan(mesh, p.cfg)
     tp = rules.size("tensor")
@@ -182,9 +185,8 @@ def _plan_mesh(p: Plan, model, mesh) -> None:
 
 def plan_folder(path: str, *, dtype=None, mesh=None, verify: bool = False) -> Plan:
     """The plan of a checkpoint folder, after every check loading makes short of reading tensor data
-    (:func:`qjax.loading.check_folder`; with ``verify`` the values too): a folder qjax cannot load is an error here
+    (:func:`qjax.checkpoint.loading.check_folder`; with ``verify`` the values too): a folder qjax cannot load is an error here
     too."""
-    from qjax.loading import check_folder, verify_folder
 
     cfg, qc, headers = (verify_folder if verify else check_folder)(path)
     return plan(cfg, headers, qc, dtype=dtype, mesh=mesh)
@@ -197,7 +199,6 @@ def plan_recipe(config_path: str, recipe: str, *, dtype="bfloat16", mesh=None) -
 
 def plan_recipe_cfg(cfg: TextConfig, recipe: str, *, dtype="bfloat16", mesh=None) -> Plan:
     """:func:`plan_recipe` for a parsed config."""
-    import jax.numpy as jnp
 
     headers, qc = recipe_headers(cfg, recipe, dtype=dtype)
     return plan(cfg, headers, qc, dtype=jnp.dtype(dtype), mesh=mesh)
@@ -207,30 +208,22 @@ def recipe_headers(cfg: TextConfig, recipe: str, *, dtype="bfloat16"
                    ) -> tuple[dict[str, tuple[tuple[int, ...], str]], QuantizationConfig | None]:
     """The tensor names, shapes and safetensors dtypes an RTN checkpoint of ``cfg`` with ``recipe`` would hold,
     and the parsed quantization config (None for bf16)."""
-    import jax.numpy as jnp
-
-    from qjax.model import abstract_model
-    from qjax.quant.rtn import _is_linear, _quantized_entries
-
     raw = recipe_to_qconfig(recipe)
     qc = None if raw is None else QuantizationConfig.from_dict(raw, source=f"recipe {recipe!r}")
     dense = abstract_model(cfg, dtype=jnp.dtype(dtype))
-    from qjax.convert.hf_writer import _all_per_expert
-    from qjax.loading import _leaf_shapes, expected_tensors
-
-    targets = expected_tensors(dense, _leaf_shapes(dense), fused_experts=_all_per_expert(cfg, dense),
+    targets = expected_tensors(dense, variable_shapes(dense), fused_experts=per_expert_layout(cfg),
                                text_prefix="model.")
-    st = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}[str(jnp.dtype(dtype))]
+    st = dtype_name(jnp.dtype(dtype))
     headers: dict[str, tuple[tuple[int, ...], str]] = {}
     for key, t in targets.items():
         module = key[: -len(".weight")] if key.endswith(".weight") else None
         sch = None
         if qc is not None and module is not None and len(t.shape) == 2:
-            sch = qc.scheme_for(module, is_linear=_is_linear(module))
+            sch = qc.scheme_for(module, is_linear=is_linear(module))
         if sch is None:
             headers[key] = (tuple(t.shape), st)
         else:
-            for k, (shape, d, _) in _quantized_entries(module, sch, tuple(t.shape), None, None, st).items():
+            for k, (_, shape, d) in packed_tensors(module, sch, tuple(t.shape), st).items():
                 headers[k] = (shape, d)
     if qc is not None and qc.kv_cache is not None:
         for i, kind in enumerate(cfg.layer_types):

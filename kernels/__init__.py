@@ -12,7 +12,8 @@ a Pallas (Triton) kernel with the same signature:
 from .dispatch import IMPLS, resolve, use
 from .moe_reference import routed_experts
 from .ops import gated_delta_step, matmul, moe_experts, qmatmul
-from .reference import QuantMeta, dense_meta, dequantize, dequantize_experts, unpack_int
+from .qmatmul_reference import dequantize, dequantize_experts, unpack_int
+from .quant_meta import QuantMeta, dense_meta
 
 __all__ = ["IMPLS", "QuantMeta", "dense_meta", "dequantize", "dequantize_experts", "gated_delta_step", "matmul",
            "moe_experts", "qmatmul", "resolve", "routed_experts", "unpack_int", "use"]

@@ -1,4 +1,4 @@
-"""Deviceless AOT compile of every Pallas kernel variant for an H200 (KERNELS.md §6, "Level B").
+"""Deviceless AOT compile of every Pallas kernel variant for an H200 (docs/kernels.md §6, "Level B").
 
 XLA:GPU + its bundled Triton compile each case down to an sm_90a cubin on a machine without a GPU, so
 shared-memory / register / resource errors (``RESOURCE_EXHAUSTED: Shared memory size limit exceeded``) fail CI
@@ -23,7 +23,7 @@ Per case one line: ``name  seconds  smem=<max dynamic shared memory of the compi
 The shared-memory figure is read from XLA's thunk dump (``xla_dump_to`` per compile), the rest from
 ``compiled.memory_analysis()``; both are best-effort and never fail a case.
 
-``--self-test`` compiles the small Pallas-Triton int4 dequant matmul below (KERNELS.md §5 layout, explicit
+``--self-test`` compiles the small Pallas-Triton int4 dequant matmul below (docs/kernels.md §5 layout, explicit
 ``plgpu.CompilerParams``) in two good tilings, which must compile, and one oversized tiling (bm 256 / bn 512 /
 bk 1024, 4 stages), which must fail with ``RESOURCE_EXHAUSTED`` shared memory.
 
@@ -59,10 +59,11 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.triton as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 KERNEL_MODULES = ("qjax.kernels.qmatmul_pallas", "qjax.kernels.moe_pallas", "qjax.kernels.gdn_pallas",
-                  "qjax.bench")
+                  "qjax.runtime.bench")
 TARGET_CONFIG = Path(__file__).with_name("h200.txtpb")
 PLUGIN_SO = "jax_plugins/xla_cuda13/xla_cuda_plugin.so"  # inside the jax-cuda13-pjrt wheel
 _SMEM_ERROR = re.compile(r"RESOURCE_EXHAUSTED.*[Ss]hared memory", re.DOTALL)
@@ -79,7 +80,7 @@ class Case:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Self-test kernel: int4/int2 dequant matmul, out = x @ dequant(W)ᵀ (repo layout, kernels/reference.py):
+# Self-test kernel: int4/int2 dequant matmul, out = x @ dequant(W)ᵀ (repo layout, kernels/qmatmul_reference.py):
 #   x [M, K] bf16; packed [N, K·bits/32] int32, LSB-first, stored value q + 2^(bits−1); scales [N, K/group] bf16.
 # --------------------------------------------------------------------------------------------------------------------
 def _selftest_kernel(x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, bk: int):
@@ -195,8 +196,7 @@ class Target:
 
 def make_target(config: str | os.PathLike = TARGET_CONFIG) -> Target:
     """Compile-only H200 device (no GPU needed) from a ``GpuTargetConfigProto`` text file."""
-    import numpy as np
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # private JAX: loaded only by the command that needs it
 
     topo = xla_bridge.make_pjrt_topology("cuda", "1x1x1", topology="1x1x1", target_config=Path(config).read_text())
     devices = topo._make_compile_only_devices()

@@ -2,16 +2,16 @@
 
 At batch-1 decode a Gated DeltaNet layer's recurrence is tiny (32 heads × a 128×128 fp32 state) but XLA splits it
 into five kernels (the q/k l2-norms, the decay, ``Sᵀk``, the update, ``Sᵀq``) that each read the 2 MB state; the
-step is launch-bound (KERNELS.md: "batch 1 is latency-bound"). Here one program per (row, value head, block of
+step is launch-bound (docs/kernels.md: "batch 1 is latency-bound"). Here one program per (row, value head, block of
 ``BV`` value columns) does it all on a ``[Dk, BV]`` tile of the state held in registers — the columns of the state
 are independent in the delta rule:
 
     q̂ = q / ‖q‖ · Dk^−½,  k̂ = k / ‖k‖     (ε = 1e-6 inside the root, FLA's and transformers' l2norm)
     S ← e^g · S;   S ← S + k̂ ⊗ β (v − Sᵀk̂);   o = Sᵀq̂
 
-Value head ``h`` reads q/k head ``h // (Hv / Hk)`` (repeat-interleave, MODEL.md §8.11). Everything is fp32; ``o``
-is returned in q's dtype, the new state in fp32. The reference is :func:`qjax.gdn.recurrent_gated_delta_rule` for
-one token (same contract, same op order; the fp32 sums differ in order only).
+Value head ``h`` reads q/k head ``h // (Hv / Hk)`` (repeat-interleave, docs/model.md §8.11). Everything is fp32; ``o``
+is returned in q's dtype, the new state in fp32. The reference is :func:`.gdn_reference.gated_delta_step_reference` (the
+recurrence for one token (same contract, same op order; the fp32 sums differ in order only).
 """
 
 from __future__ import annotations
@@ -25,25 +25,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .gdn_reference import gated_delta_step_reference
+
 __all__ = ["gated_delta_step_pallas", "gated_delta_step_reference", "lowering_cases", "supported"]
 
 _BV = 32  # value columns per program: a [128, 32] fp32 tile is 16 KB of registers for 4 warps
-
-
-def gated_delta_step_reference(q, k, v, g, beta, state, layer=None):
-    """One token of the gated delta rule (plain JAX): ``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``g, beta [B, Hv]``,
-    ``state [B, Hv, Dk, Dv]`` fp32 → ``(o [B, Hv, Dv]`` in q's dtype, new state fp32).
-
-    ``layer``: ``state`` is a ``[L, B, Hv, Dk, Dv]`` stack of layers' states and this is layer ``layer`` (int32, may
-    be traced); the whole stack is returned with that layer's state replaced.
-    """
-    from qjax.gdn import recurrent_gated_delta_rule
-
-    s0 = state if layer is None else state[layer]
-    o, s = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], s0)
-    if layer is not None:
-        s = lax.dynamic_update_index_in_dim(state, s.astype(state.dtype), layer, 0)
-    return o[:, 0], s
 
 
 def supported(q_shape, v_shape) -> bool:

@@ -2,7 +2,7 @@
 
 Same contract as the reference: ``moe_experts_pallas(x, idx, weights, gate_up, down) → [N, H] float32``.
 
-Pipeline (vLLM ``fused_moe`` / ``moe_align_block_size`` style; KERNELS.md §7.3, §10.4):
+Pipeline (vLLM ``fused_moe`` / ``moe_align_block_size`` style; docs/kernels.md §7.3, §10.4):
 
 1. *Align* (plain JAX): the ``S = N·k`` token-slots are grouped by expert (stable: slot order kept inside an
    expert) and each expert's run is padded to a multiple of the M-block ``bm``, so every M-block of the padded row
@@ -22,7 +22,7 @@ Pipeline (vLLM ``fused_moe`` / ``moe_align_block_size`` style; KERNELS.md §7.3,
 4. *Combine* (plain JAX): ``out[n] = Σ_k y[slot_row[n, k]]`` (a gather + sum: deterministic, no atomics, padding
    rows never read).
 
-Dequantization happens in registers right before each dot and rounds exactly like :func:`.reference.dequantize`:
+Dequantization happens in registers right before each dot and rounds exactly like :func:`.qmatmul_reference.dequantize`:
 fp32 ``(q − zp)·scale`` → ``meta.scale_dtype`` (bf16 for MXFP8) → x.dtype.  Ints are unpacked from int32 words with
 logical shifts and masks (LSB first); MXFP8 scales (E8M0 bytes) become ``2^(s−127)`` by bit-casting ``s << 23``
 (s = 255 → +inf as ``ldexp`` gives; s = 0 → the subnormal 2^−127, bits ``0x00400000``).
@@ -33,7 +33,7 @@ visible to Triton's axis analysis), while interpret mode — which cannot mix ar
 into clamped gathers whose out-of-range positions the masks (with ``other=``) replace.  All tensors inside the
 kernels have power-of-two shapes; odd H / I / group sizes are handled by masks.
 
-Unquantized experts (``fmt="dense"``, :func:`.reference.dense_meta`: the weight stack itself, no scales) take the
+Unquantized experts (``fmt="dense"``, :func:`.quant_meta.dense_meta`: the weight stack itself, no scales) take the
 same kernels, the tile loaded as it is instead of dequantized: the BF16 model's experts run fused like packed ones.
 
 Gradients: ``jax.custom_vjp`` with the backward through the plain-JAX reference (cotangents for ``x``, the routing
@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import moe_reference
-from .reference import QuantMeta, dense_meta
+from .quant_meta import QuantMeta, dense_meta
 
 __all__ = ["MoEConfig", "lowering_cases", "moe_config", "moe_experts_pallas"]
 
@@ -395,7 +395,7 @@ def _align(idx, num_experts: int, bm: int, *, dense: bool | None = None, per_slo
 
 
 def _compiler_params(cfg: MoEConfig):
-    # explicit Triton params: with None, jax 0.10 picks Mosaic GPU and 0.11+ Triton (KERNELS.md §3); jax ≥ 0.11
+    # explicit Triton params: with None, jax 0.10 picks Mosaic GPU and 0.11+ Triton (docs/kernels.md §3); jax ≥ 0.11
     # emits a DeprecationWarning (id jax-pallas-triton) for Triton pallas_calls — callers / tests filter it
     return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -542,7 +542,7 @@ QWEN36_INTER = 512
 QWEN36_EXPERTS = 256
 QWEN36_TOP_K = 8
 
-_SCHEMES = {  # name: (fmt, bits, group, symmetric, scale dtype) as the real checkpoints store them (FORMATS.md §9)
+_SCHEMES = {  # name: (fmt, bits, group, symmetric, scale dtype) as the real checkpoints store them (docs/formats.md §9)
     "int2_g64": ("int", 2, 64, True, "float16"),
     "int4_g128": ("int", 4, 128, False, "bfloat16"),  # asymmetric: exercises the zero-point path
     "int8_g32": ("int", 8, 32, True, "bfloat16"),

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .reference import QuantMeta, dequantize_experts
+from .qmatmul_reference import dequantize_experts
+from .quant_meta import QuantMeta
 
 
 def _dot_out_in(x: jnp.ndarray, w: jnp.ndarray, spec: str) -> jnp.ndarray:

@@ -6,9 +6,13 @@ import math
 
 import jax.numpy as jnp
 
-from . import moe_reference, reference
+from . import gdn_pallas, moe_reference
+from . import qmatmul_reference as reference
 from .dispatch import resolve
-from .reference import QuantMeta
+from .gdn_reference import gated_delta_step_reference
+from .moe_pallas import moe_experts_pallas
+from .qmatmul_pallas import dense_in_stack_ok, matmul_pallas, qmatmul_pallas
+from .quant_meta import QuantMeta
 
 # Rows up to which a dense layer inside a [G, N, K] stack is read in place by the Pallas kernel: below ~200 rows a
 # BF16 matmul on an H200 is bound by the weight read (989 TFLOP/s ÷ 4.8 TB/s ≈ 206 FLOP/B, a row is 1 FLOP/B), so
@@ -16,65 +20,61 @@ from .reference import QuantMeta
 DENSE_IN_STACK_MAX_ROWS = 128
 
 
-def matmul(x: jnp.ndarray, w: jnp.ndarray, *, impl: str | None = None, group=None) -> jnp.ndarray:
+def matmul(x: jnp.ndarray, w: jnp.ndarray, *, impl: str | None = None, layer=None) -> jnp.ndarray:
     """``x [..., K] @ wᵀ`` → ``[..., N]`` in x's dtype (fp32 accumulation) for an unquantized weight ``w [N, K]``.
 
-    ``group``: ``w`` is a ``[G, N, K]`` layer stack and this is layer ``group``. With the Pallas kernels, at most
+    ``layer``: ``w`` is a ``[L, N, K]`` layer stack and this is layer ``layer``. With the Pallas kernels, at most
     :data:`DENSE_IN_STACK_MAX_ROWS` rows and N, K on the kernel's blocks the layer is read inside the stack;
     otherwise it is sliced out for XLA's dot.
     """
     which = resolve(impl)
     rows = math.prod(x.shape[:-1])
-    if group is not None and which in ("pallas", "interpret") and 0 < rows <= DENSE_IN_STACK_MAX_ROWS:
-        from .qmatmul_pallas import dense_in_stack_ok, matmul_pallas
-
+    if layer is not None and which in ("pallas", "interpret") and 0 < rows <= DENSE_IN_STACK_MAX_ROWS:
         # a layer the kernel cannot read in place (N or K off its blocks: the 1-row shared_expert_gate) goes to
         # XLA, which reads such a small slice inside its own fusion: one kernel instead of a pad copy + the kernel
         if dense_in_stack_ok(rows, *w.shape[1:], w.dtype, x.dtype):
-            return matmul_pallas(x, w, interpret=which == "interpret", layer=group)
-    return reference.matmul(x, w if group is None else w[group])
+            return matmul_pallas(x, w, interpret=which == "interpret", layer=layer)
+    return reference.matmul(x, w if layer is None else w[layer])
 
 
 def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str | None = None,
-            group=None) -> jnp.ndarray:
-    """``x [..., K] @ dequant(W)ᵀ`` → ``[..., N]`` in x's dtype, fp32 accumulation (see :mod:`.reference`).
+            layer=None) -> jnp.ndarray:
+    """``x [..., K] @ dequant(W)ᵀ`` → ``[..., N]`` in x's dtype, fp32 accumulation (see :mod:`.qmatmul_reference`).
 
-    ``group``: the arrays carry a leading layer-stack axis ``[G, N, ·]`` and this is layer ``group`` (the Pallas
+    ``layer``: the arrays carry a leading layer-stack axis ``[L, N, ·]`` and this is layer ``layer`` (the Pallas
     kernel reads it in place; the references index it).
     """
     which = resolve(impl)
     if which in ("reference", "xla"):  # the reference already dequantizes the whole weight, then one dot
-        if group is not None:
-            packed, scale, zero = (None if a is None else a[group] for a in (packed, scale, zero))
+        if layer is not None:
+            packed, scale, zero = (None if a is None else a[layer] for a in (packed, scale, zero))
         return reference.qmatmul(x, packed, scale, zero, meta)
-    from .qmatmul_pallas import qmatmul_pallas
 
-    return qmatmul_pallas(x, packed, scale, zero, meta, interpret=which == "interpret", layer=group)
+    return qmatmul_pallas(x, packed, scale, zero, meta, interpret=which == "interpret", layer=layer)
 
 
 def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | None = None,
-                group=None) -> jnp.ndarray:
+                layer=None) -> jnp.ndarray:
     """Routed SwiGLU experts with packed ``[E, …]`` weights → ``[N, H]`` float32 (see :mod:`.moe_reference`); an
     unquantized stack is ``(w, None, None, dense_meta(...))``.
 
-    ``group``: the arrays carry a leading layer-stack axis (``[G, E, …]``, as the model's layer scan stores them) and
-    this call is layer ``group`` (an int32 scalar, may be traced). The kernels then read that layer's experts inside
+    ``layer``: the arrays carry a leading layer-stack axis (``[L, E, …]``, as the model's layer scan stores them)
+    and this call is layer ``layer`` (an int32 scalar, may be traced). The kernels then read that layer's experts inside
     the stack: slicing it out first would copy all E experts of the layer on every call.
     """
     which = resolve(impl)
     num_experts = offset = None
-    if group is not None:
-        g, num_experts = gate_up[0].shape[:2]
-        flat = lambda a: None if a is None else a.reshape(g * num_experts, *a.shape[2:])  # noqa: E731 (a bitcast)
+    if layer is not None:
+        stack, num_experts = gate_up[0].shape[:2]
+        flat = lambda a: None if a is None else a.reshape(stack * num_experts, *a.shape[2:])  # noqa: E731 (a bitcast)
         gate_up = (*map(flat, gate_up[:3]), gate_up[3])
         down = (*map(flat, down[:3]), down[3])
-        offset = jnp.asarray(group, jnp.int32) * num_experts
+        offset = jnp.asarray(layer, jnp.int32) * num_experts
     if which == "reference":
         return moe_reference.moe_experts(x, idx, weights, gate_up, down, num_experts=num_experts, offset=offset)
     if which == "xla":
         return moe_reference.moe_experts_dequant_all(x, idx, weights, gate_up, down, num_experts=num_experts,
                                                      offset=offset)
-    from .moe_pallas import moe_experts_pallas
 
     return moe_experts_pallas(x, idx, weights, gate_up, down, interpret=which == "interpret",
                               num_experts=num_experts, expert_offset=offset)
@@ -87,12 +87,10 @@ def gated_delta_step(q, k, v, g, beta, state, *, impl: str | None = None, layer=
     ``layer``: ``state`` is the ``[L, B, …]`` stack of the layer scan and this is layer ``layer``; the whole stack
     comes back with that layer's state replaced (the kernel writes it in place). With the Pallas kernels (and
     power-of-two head dims) one kernel does the l2-norms, the decay, the delta update and the readout; otherwise the
-    reference (:func:`qjax.gdn.recurrent_gated_delta_rule` for one token).
+    reference (:func:`.gdn_reference.gated_delta_step_reference`).
     """
-    from . import gdn_pallas
-
     which = resolve(impl)
     if which in ("pallas", "interpret") and gdn_pallas.supported(q.shape, v.shape):
         return gdn_pallas.gated_delta_step_pallas(q, k, v, g, beta, state, layer=layer,
                                                   interpret=which == "interpret")
-    return gdn_pallas.gated_delta_step_reference(q, k, v, g, beta, state, layer=layer)
+    return gated_delta_step_reference(q, k, v, g, beta, state, layer=layer)

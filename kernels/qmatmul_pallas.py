@@ -1,6 +1,6 @@
 """Pallas (Triton backend) dequant-matmul: ``x [..., K] @ dequant(W)ᵀ`` with the weight kept packed in HBM.
 
-Same contract as :func:`kernels.reference.qmatmul` (the oracle), see that module for the weight formats:
+Same contract as :func:`kernels.qmatmul_reference.qmatmul` (the oracle), see that module for the weight formats:
 
 - ``fmt == "int"``: ``packed`` int32 ``[N, ceil(K·b/32)]`` (b ∈ {2, 4, 8}, LSB first, +2^(b−1) offset), ``scale``
   ``[N, G]`` (groups of a power-of-two size, or ``G == 1`` for channel, or ``[1, 1]`` for tensor), optional
@@ -27,7 +27,7 @@ group (``bk/g`` scales per row) or a divisor of it (one scale column per chunk);
 per row. With ``S > 1`` the kernel writes ``S`` fp32 partials, reduced by a second (XLA) pass. Block sizes:
 :func:`choose_config`; ``config=`` overrides them.
 
-Triton-lowering rules honoured (KERNELS.md §3–§4): every loaded / computed tile is a power of two (M, N and K are
+Triton-lowering rules honoured (docs/kernels.md §3–§4): every loaded / computed tile is a power of two (M, N and K are
 zero-padded outside the kernel to block multiples, so odd shapes work); no captured constants (shifts come from
 ``broadcasted_iota``); int2/int4/int8 are unpacked from int32 words with shifts and masks; E8M0 bytes are loaded as
 uint8 and turned into powers of two by bit-casting ``e << 23`` (``e == 0`` → 2^−127 built as 2^−63·2^−64 so no
@@ -39,7 +39,7 @@ Interpret mode (CPU tests) runs the same body; only the two roundings use ``lax.
 :func:`_round`).
 
 ``qmatmul_pallas`` is a ``jax.custom_vjp``: the backward pass is ``g @ dequant(W)`` with the plain-JAX
-:func:`kernels.reference.dequantize`; ``packed`` / ``scale`` / ``zero`` get no cotangent.
+:func:`kernels.qmatmul_reference.dequantize`; ``packed`` / ``scale`` / ``zero`` get no cotangent.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import reference
-from .reference import QuantMeta, dense_meta
+from . import qmatmul_reference as reference
+from .quant_meta import QuantMeta, dense_meta
 
 __all__ = ["KernelConfig", "choose_config", "dense_meta", "lowering_cases", "matmul_pallas", "qmatmul_pallas",
            "supported"]
@@ -496,7 +496,7 @@ def matmul_pallas(x, w, *, interpret: bool = False, config: KernelConfig | None 
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# GPU lowering cases (KERNELS.md §6 Level A / B)
+# GPU lowering cases (docs/kernels.md §6 Level A / B)
 # ---------------------------------------------------------------------------------------------------------------------
 LAYER_SHAPES = ((8192, 2048), (2048, 4096), (512, 2048), (2048, 512))  # (N, K): q_proj / in_proj_qkv, o_proj /
 # out_proj, routed/shared expert gate|up, expert down

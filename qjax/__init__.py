@@ -2,22 +2,41 @@
 
 Public API::
 
-    model = qjax.load_model("path/to/checkpoint")          # BF16/FP32 HF folder
+    model = qjax.load_model("path/to/checkpoint")          # BF16/FP32 or compressed-tensors HF folder
     logits = model(input_ids)                               # [B, T] int32 -> [B, T, V]
     tokens = qjax.generate(model, input_ids, max_new_tokens=32)
+
+The names below are imported on first use (PEP 562), so that ``import qjax.kernels`` — the kernel package, which
+depends on nothing above it — does not import flax and the model.
 """
+
+import importlib
 
 from . import xla_env
 
 xla_env.apply()  # before the CPU backend starts: a YNNPACK fusion miscomputes fp32 quantized matmuls (xla_env.py)
 
-from .config import ConfigError, TextConfig  # noqa: E402
-from .cache import Cache
-from .generate import GenerationConfig, extend, generate, stream
-from .loading import LoadError, load_model
-from .model import Qwen3_5MoeForCausalLM, init_model
-from .safetensors_io import SafetensorsError
-from .sharding import MeshError
+# public name → the module that defines it
+_EXPORTS = {
+    "Cache": "model.cache", "ConfigError": "model.config", "TextConfig": "model.config", "GenerationConfig": "model.config",
+    "Qwen3_5MoeForCausalLM": "model.qwen3_5_moe", "init_model": "model.qwen3_5_moe", "MeshError": "model.sharding",
+    "LoadError": "checkpoint.loading", "load_model": "checkpoint.loading",
+    "SafetensorsError": "checkpoint.safetensors_io",
+    "extend": "runtime.generate", "generate": "runtime.generate",
+    "stream": "runtime.generate",
+}
 
-__all__ = ["Cache", "ConfigError", "GenerationConfig", "extend", "generate", "stream", "LoadError", "MeshError", "SafetensorsError", "TextConfig", "Qwen3_5MoeForCausalLM", "init_model",
-           "load_model"]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'qjax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

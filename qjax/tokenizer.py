@@ -25,6 +25,13 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 
+import jinja2
+import jinja2.ext
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as Backend
+
 from .validation import Fields, confined, read_json, show
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -75,8 +82,6 @@ _render = threading.local()  # the budget of the rendering in progress on this t
 
 
 def _spend(n: int) -> None:
-    import jinja2
-
     budget = getattr(_render, "budget", None)
     if budget is None:
         return
@@ -94,11 +99,6 @@ def _spend(n: int) -> None:
 def _compile_template(source: str):
     """Compile ``source`` in transformers' sandbox (``ImmutableSandboxedEnvironment``, ``trim_blocks``,
     ``lstrip_blocks``, loop controls, ``raise_exception``/``strftime_now``/``namespace``/``dict``, JSON ``tojson``)."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.exceptions import SecurityError
-    from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
-
     class GenerationTag(jinja2.ext.Extension):
         # ``{% generation %}…{% endgeneration %}`` marks assistant text for training masks; rendering keeps the body
         tags = {"generation"}
@@ -325,9 +325,6 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, path: str | os.PathLike) -> "Tokenizer":
         """Read a HF checkpoint folder's tokenizer files (see the module docstring)."""
-        from tokenizers import AddedToken
-        from tokenizers import Tokenizer as Backend
-
         folder = os.fspath(path)
         if not os.path.isdir(folder):
             raise TokenizerError(f"{folder}: no such folder")
@@ -478,8 +475,6 @@ class Tokenizer:
         if isinstance(messages, Mapping) or not isinstance(messages, Sequence) or not messages:
             raise TokenizerError("apply_chat_template needs a non-empty list of messages")
         source = self.get_chat_template(chat_template, tools)
-        import jinja2
-
         if not isinstance(source, str):
             raise TokenizerError(f"{self.source}: the chat template is {type(source).__name__}, not text")
         try:

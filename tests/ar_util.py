@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from hf_util import make_hf_model, save_hf, tiny_text_config
 
 WORDS = [f"w{i}" for i in range(500)]
@@ -45,7 +44,7 @@ def write_base(folder: str | Path, seed: int = 0) -> str:
 
 def write_calibration(path: str | Path, n: int = NSAMPLES, words: int = SEQLEN + 16, seed: int = 0) -> str:
     """A JSON list of ``n`` random-word documents, each longer than SEQLEN tokens (auto-round's local-file form:
-    in-memory lists crash auto-round on the hybrid model, AUTOROUND.md)."""
+    in-memory lists crash auto-round on the hybrid model, docs/autoround.md)."""
     r = random.Random(seed)
     docs = [" ".join(r.choice(WORDS) for _ in range(words)) for _ in range(n)]
     Path(path).write_text(json.dumps(docs))
@@ -87,7 +86,7 @@ def run_auto_round_here(base: str, calib: str, out: str, *, bits: int, group_siz
 
 
 def read_tensors(folder: str) -> dict[str, np.ndarray]:
-    from qjax.safetensors_io import SafetensorsFile
+    from qjax.checkpoint.safetensors_io import SafetensorsFile
 
     out: dict[str, np.ndarray] = {}
     for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):

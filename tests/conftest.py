@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 # before JAX starts (see qjax/xla_env.py): single-threaded Eigen, and no YNNPACK fusions (fp32 error ~1e-2)
 import os  # noqa: E402
 
@@ -43,7 +42,6 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 
 import pytest  # noqa: E402
 import torch
-
 from hf_util import make_hf_model, odd_text_config, save_hf, tiny_text_config, write_official_layout
 
 # The models are tiny: more threads only add scheduling noise and contend with parallel test workers.

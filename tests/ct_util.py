@@ -3,7 +3,7 @@
 Everything is produced at test time with the real libraries (no llmcompressor / auto-round, nothing from ../shared):
 
 * `write_ct_checkpoint` quantizes a transformers `Qwen3_5MoeForCausalLM` the way llmcompressor's RTN path does
-  (FORMATS.md §1, §3, §7): the fused experts are linearized into per-expert `nn.Linear`s (like llmcompressor's
+  (docs/formats.md §1, §3, §7): the fused experts are linearized into per-expert `nn.Linear`s (like llmcompressor's
   `linearize_moe` / auto-round's `SequentialQwen3_5MoeExperts`), compressed-tensors' `apply_quantization_config`
   attaches the schemes, each weight's qparams come from compressed-tensors' `calculate_qparams` on per-group min/max
   (the memoryless min-max observer; MX E8M0 scales through the same function), `ModelCompressor.compress_model`
@@ -13,7 +13,7 @@ Everything is produced at test time with the real libraries (no llmcompressor / 
 * `ct_dequantized` dequantizes every quantized module with compressed-tensors' own decompressor
   (`BaseCompressor.get_value_from_registry(format).decompress`).
 * `ct_reference_model` / `ct_reference_logits` are the float32 oracle: a plain transformers model loaded with those
-  dequantized weights (FORMATS.md §8: transformers' own compressed-tensors loading is not a float32 oracle), optionally
+  dequantized weights (docs/formats.md §8: transformers' own compressed-tensors loading is not a float32 oracle), optionally
   emulating the FP8 KV cache.
 
 Library limitation worked around here: compressed-tensors (0.19 and 0.20) refuses to quantize or dequantize a group
@@ -56,14 +56,6 @@ from compressed_tensors.quantization.utils import calculate_qparams, is_module_q
 from compressed_tensors.quantization.utils.mxfp_utils import should_generate_mx_scales
 from compressed_tensors.utils import get_direct_state_dict, replace_direct_state_dict
 from compressed_tensors.utils.match import match_name, match_targets
-from loguru import logger
-from torch import nn
-from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5MoeVisionModel
-from transformers.activations import ACT2FN
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import eager_attention_forward
-
 from hf_util import (
     _fuse_experts,
     _load_dir,
@@ -73,6 +65,13 @@ from hf_util import (
     tiny_vision_config,
     write_official_layout,
 )
+from loguru import logger
+from torch import nn
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5MoeVisionModel
+from transformers.activations import ACT2FN
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import eager_attention_forward
 
 FP8_MAX = 448.0  # float8_e4m3fn
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

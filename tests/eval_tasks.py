@@ -9,7 +9,7 @@ import random
 import re
 from pathlib import Path
 
-from qjax.builtin import default_model_dir
+from qjax.checkpoint.hub import default_model_dir
 
 
 def austen_tasks(root: Path) -> dict[str, object]:

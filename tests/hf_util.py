@@ -50,7 +50,7 @@ def _apply_overrides(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 
 def tiny_text_config(**overrides: Any) -> dict[str, Any]:
-    """config.json dict of the tiny `qwen3_5_moe_text` test model (MODEL.md §1.1)."""
+    """config.json dict of the tiny `qwen3_5_moe_text` test model (docs/model.md §1.1)."""
     cfg: dict[str, Any] = {
         "model_type": "qwen3_5_moe_text",
         "vocab_size": 512,
@@ -239,7 +239,7 @@ def _random_like(
 
 
 def _mtp_shapes(text: dict[str, Any], fused: bool) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the 1-layer MTP head (MODEL.md §6.3): fc + 3 norms + a full-attention MoE decoder layer."""
+    """Names and shapes of the 1-layer MTP head (docs/model.md §6.3): fc + 3 norms + a full-attention MoE decoder layer."""
     h, hd = text["hidden_size"], text["head_dim"]
     nq, nkv = text["num_attention_heads"], text["num_key_value_heads"]
     n_exp, inter, shared = text["num_experts"], text["moe_intermediate_size"], text["shared_expert_intermediate_size"]
@@ -317,7 +317,7 @@ def write_official_layout(
     mtp_fused: bool = True,
     shards: int = 2,
 ) -> str:
-    """Rewrite a `save_hf` folder into the official Qwen3.6-35B-A3B layout (MODEL.md §6.1, §6.3).
+    """Rewrite a `save_hf` folder into the official Qwen3.6-35B-A3B layout (docs/model.md §6.1, §6.3).
 
     Composite `qwen3_5_moe` config; text weights under `model.language_model.*` with fused experts
     (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, no `.weight`); `lm_head.weight` at top level; random
@@ -331,7 +331,7 @@ def write_official_layout(
         text = text["text_config"]
     text = {k: v for k, v in text.items() if k not in ("architectures", "transformers_version")}
     text["model_type"] = "qwen3_5_moe_text"
-    # Fields the official text_config carries that transformers does not use (MODEL.md §1.1); a loader may read them.
+    # Fields the official text_config carries that transformers does not use (docs/model.md §1.1); a loader may read them.
     text.update(
         mtp_num_hidden_layers=1 if with_mtp else 0,
         mtp_use_dedicated_embeddings=False,

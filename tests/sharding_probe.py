@@ -22,15 +22,15 @@ xla_env.apply(single_threaded=True)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-import qjax  # noqa: E402
 from hf_util import tiny_text_config  # noqa: E402
-from qjax.config import TextConfig  # noqa: E402
 from qjax.convert.hf_writer import save_pretrained  # noqa: E402
 from qjax.convert.planner import plan_folder, recipe_to_qconfig  # noqa: E402
-from qjax.model import init_model  # noqa: E402
-from qjax.quant.rtn import quantize_model  # noqa: E402
-from qjax.sharding import MeshError, device_bytes, per_device_bytes, split_ways, state_shardings  # noqa: E402
+
+import qjax  # noqa: E402
+from qjax.autoround.rtn import quantize_model  # noqa: E402
+from qjax.model.config import TextConfig  # noqa: E402
+from qjax.model.qwen3_5_moe import init_model  # noqa: E402
+from qjax.model.sharding import MeshError, device_bytes, per_device_bytes, split_ways, state_shardings  # noqa: E402
 
 MESHES = {"1x8x1": {"data": 1, "tensor": 8, "expert": 1},
           "1x2x4": {"data": 1, "tensor": 2, "expert": 4},
@@ -105,8 +105,8 @@ def main(name: str, out_path: str, work: str) -> None:
 
 
 def _random_model_on_mesh(cfg, ids) -> dict:
-    """qjax.random_model made directly in its shards equals the one-device model (same seed)."""
-    from qjax.random_model import random_model
+    """qjax.runtime.random_model made directly in its shards equals the one-device model (same seed)."""
+    from qjax.runtime.random_model import random_model
 
     recipe = "experts=int2:g32,rest=int4:g16"
     one = np.asarray(random_model(cfg, recipe, dtype=jnp.float32, seed=1)(ids))
@@ -119,7 +119,7 @@ def _random_model_on_mesh(cfg, ids) -> dict:
 
 def _load_counting_transfers(folder: str, mesh: dict):
     """load_model on ``mesh``, counting the bytes each device receives from the host while loading."""
-    import qjax.loading as loading
+    import qjax.checkpoint.loading as loading
 
     sent: dict = {}
     real = jax.device_put
@@ -140,11 +140,12 @@ def _load_counting_transfers(folder: str, mesh: dict):
 def _pallas_under_mesh() -> dict:
     """The Pallas kernels (interpret mode) inside the tensor- and expert-parallel shard_maps vs the reference on one
     device: what a GPU mesh runs."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     from qjax.kernels import QuantMeta, qmatmul
-    from qjax.quant.layers import QuantExperts
-    from qjax.sharding import expert_parallel, plan_mesh, tensor_parallel_qmatmul
+
+    from qjax.model.moe import Experts
+    from qjax.model.sharding import expert_parallel, plan_mesh, tensor_parallel_qmatmul
 
     rng = np.random.default_rng(1)
     plan = plan_mesh({"tensor": 2, "expert": 4}, TextConfig.from_dict(probe_config()))
@@ -165,7 +166,7 @@ def _pallas_under_mesh() -> dict:
             out[f"qmatmul_{split}"] = float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
         gm = QuantMeta(fmt="int", bits=2, group_size=32, in_features=64, out_features=64, scale_dtype="float16")
         dm = QuantMeta(fmt="int", bits=2, group_size=32, in_features=32, out_features=64, scale_dtype="float16")
-        experts = QuantExperts(8, gm, dm, hidden=64, inter=32, dtype=jnp.float32)
+        experts = Experts(8, 64, 32, dtype=jnp.float32, std=0.02, rngs=None, gate_up=gm, down=dm)
         for w, m in ((experts.gate_up_proj, gm), (experts.down_proj, dm)):
             w.weight_packed.set_value(jnp.asarray(rng.integers(-2**31, 2**31, (8, m.out_features, m.packed_cols),
                                                                dtype=np.int64).astype(np.int32)))

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from qjax.kernels import aot_h200
-from qjax.kernels.reference import QuantMeta
-from qjax.kernels.reference import qmatmul as qmatmul_ref
+from qjax.kernels.qmatmul_reference import qmatmul as qmatmul_ref
+from qjax.kernels.quant_meta import QuantMeta
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,15 +9,15 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ar_util import NSAMPLES, RTN_RECIPE, SEQLEN, read_tensors, run_auto_round, write_base, write_calibration
+from qjax.convert import save_pretrained
 
 import qjax
-from ar_util import NSAMPLES, RTN_RECIPE, SEQLEN, read_tensors, run_auto_round, write_base, write_calibration
 from qjax.autoround import blocks
 from qjax.autoround.data import CalibrationError, calibration_ids, load_tokenizer
 from qjax.autoround.driver import AutoRound, AutoRoundConfig
 from qjax.autoround.progress import ResumeError
 from qjax.autoround.schemes import LayerConfigError, parse_layer_config
-from qjax.convert import save_pretrained
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "autoround_rtn")
 QUANT_FIELDS = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point")
@@ -46,7 +46,7 @@ def _auto_round_rtn(base, tmp_path):
     try:
         import auto_round  # noqa: F401
     except ImportError:
-        from qjax.safetensors_io import SafetensorsFile
+        from qjax.checkpoint.safetensors_io import SafetensorsFile
 
         with SafetensorsFile(os.path.join(FIXTURE, "quantized.safetensors")) as st:
             tensors = {k: np.array(st.get(k)) for k in st.keys()}
@@ -85,7 +85,7 @@ def test_rtn_matches_auto_round_bit_for_bit(base, calib, tmp_path):
 def test_committed_fixture_is_current(base, tmp_path):
     """The fallback fixture is what auto-round writes today (regenerate with tests/fixtures/make_autoround_rtn.py)."""
     pytest.importorskip("auto_round")
-    from qjax.safetensors_io import SafetensorsFile
+    from qjax.checkpoint.safetensors_io import SafetensorsFile
 
     live, _, _ = _auto_round_rtn(base, tmp_path)
     with SafetensorsFile(os.path.join(FIXTURE, "quantized.safetensors")) as st:

@@ -1,4 +1,4 @@
-"""auto_round-format export (``qjax.convert.autoround_writer``) and load-back (``qjax.loading_autoround``).
+"""auto_round-format export (``qjax.convert.autoround_writer``) and load-back (``qjax.checkpoint.auto_round``).
 
 One tiny bf16 source model, RTN-quantized by qjax with two recipes and written three ways: symmetric int4 g32 +
 int2 g16 experts → ``auto_round:auto_gptq`` (auto-round's choice); asymmetric int4 g32 everywhere →
@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_util import make_hf_model, save_hf, tiny_text_config
+from qjax.convert.autoround_writer import AutoRoundError, save_autoround
 from safetensors.numpy import load_file
 
 import qjax
-from hf_util import make_hf_model, save_hf, tiny_text_config
-from qjax.convert.autoround_writer import AutoRoundError, save_autoround
-from qjax.convert.hf_writer import checkpoint_tensors
-from qjax.loading import module_weight
+from qjax.checkpoint.layout import checkpoint_tensors
+from qjax.checkpoint.loading import module_weight
 from qjax.quant.config import QuantizationConfig, WeightScheme
 from qjax.quant.packing import pack_int32, unpack_int32, unpack_zero_point
 
@@ -61,7 +61,7 @@ def source(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def exported(source, tmp_path_factory) -> dict[str, tuple]:
     """recipe → (quantized float32 qjax model, its logits on IDS, written folder)."""
-    from qjax.quant.rtn import quantize_model
+    from qjax.autoround.rtn import quantize_model
 
     dense = qjax.load_model(source, dtype=jnp.float32)
     models: dict[tuple, tuple] = {}  # one quantized model (and one forward compile) per recipe
@@ -107,7 +107,7 @@ def test_packers_match_autoround_bit_for_bit() -> None:
     from auto_round.export.export_to_awq.utils import WQLinear_GEMM
     from auto_round_extension.torch import qlinear_torch, qlinear_torch_zp
 
-    from qjax.loading_autoround import autoround_to_ct, ct_to_autoround
+    from qjax.checkpoint.auto_round import autoround_to_ct, ct_to_autoround
 
     rng = np.random.default_rng(1)
     cases = [("auto_round:auto_gptq", 2, True), ("auto_round:auto_gptq", 4, True), ("auto_round:auto_gptq", 8, True),
@@ -218,7 +218,7 @@ def _autoround_folder(source: str, out: str, recipe: str) -> str:
 
 
 def _headers(folder: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    from qjax.safetensors_io import SafetensorsFile
+    from qjax.checkpoint.safetensors_io import SafetensorsFile
 
     f = SafetensorsFile(os.path.join(folder, "model.safetensors"))
     try:
@@ -278,7 +278,7 @@ def test_existing_target_refused_and_failed_write_leaves_nothing(exported, tmp_p
 
 
 def test_refuses_what_the_format_cannot_hold(source, exported, tmp_path) -> None:
-    from qjax.quant.rtn import quantize_model
+    from qjax.autoround.rtn import quantize_model
 
     dense = qjax.load_model(source)
     with pytest.raises(AutoRoundError, match="not quantized"):
@@ -323,7 +323,7 @@ def test_int8_channel_lm_head_round_trip(source, tmp_path) -> None:
     (group_size -1) and a divisible-but-unquantized shared expert ({"bits": 16, "data_type": "float"})."""
     from flax import nnx
 
-    from qjax.quant.rtn import quantize_model
+    from qjax.autoround.rtn import quantize_model
 
     def scheme(bits: int, strategy: str, group: int | None) -> WeightScheme:
         return WeightScheme("pack-quantized", bits, "int", True, strategy, group, scale_dtype="float16")

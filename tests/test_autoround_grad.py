@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from hf_util import make_hf_model, save_hf, tiny_text_config
 
 import qjax
-from hf_util import make_hf_model, save_hf, tiny_text_config
 from qjax.autoround import blocks, qdq
 from qjax.autoround.driver import block_loss
 from qjax.autoround.schemes import Scheme

@@ -285,7 +285,7 @@ def test_gradients_match_torch_autograd(kind: str, dtype: str, bits: int, gs: in
 )
 def test_search_scales_matches_autoround(dtype: str, bits: int, gs: int):
     """Same argmin and bit-identical scales. auto-round searches in the weight's dtype; so does qjax (a bf16
-    weight is searched with bf16 candidates, AUTOROUND.md §11a), so both dtypes compare exactly."""
+    weight is searched with bf16 candidates, docs/autoround.md §11a), so both dtypes compare exactly."""
     rng = np.random.default_rng(20 + bits)
     shape = (24, 256)
     w = _weight(rng, shape, dtype, spread=True)

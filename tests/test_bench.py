@@ -1,4 +1,4 @@
-"""``qjax bench`` (issue 8): the scaled config, the decode-bound bytes against design/KERNELS.md's derivation, and
+"""``qjax bench`` (issue 8): the scaled config, the decode-bound bytes against docs/kernels.md's derivation, and
 the bench's tokens against ``qjax.generate`` for every recipe on the random 1/8-width model."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import qjax
-from qjax import bench
 from qjax.cli import main as cli_main
-from qjax.config import FULL, LINEAR
-from qjax.random_model import abstract_recipe_model, random_model
+from qjax.model.config import FULL, LINEAR
+from qjax.runtime import bench
+from qjax.runtime.random_model import abstract_recipe_model, random_model
 
 # tiny shapes: the path, not the speed, is under test here (benchmarks/e2e.py times the real settings)
 TINY = dict(prefill=((8, 8),), decode_batches=(8,), context=8, new_tokens=4, repeats=1)
@@ -45,7 +45,7 @@ def test_scaled_config(scaled):
 
 
 def test_expected_active_experts():
-    """E·(1 − (1 − k/E)^B): k at batch 1, and KERNELS.md's table (57 at B=8, 222 at B=64, ~256 from B=128)."""
+    """E·(1 − (1 − k/E)^B): k at batch 1, and docs/kernels.md's table (57 at B=8, 222 at B=64, ~256 from B=128)."""
     assert bench.expected_active_experts(256, 8, 1) == pytest.approx(8)
     assert round(bench.expected_active_experts(256, 8, 8)) == 57
     assert round(bench.expected_active_experts(256, 8, 64)) == 222
@@ -59,8 +59,8 @@ def test_expected_active_experts():
     ("bf16", 5893, 2013), ("w8a16-g32", 3629, 1069.5), ("w2w4", 2071, 283.1)])
 def test_decode_bytes_of_the_real_model(recipe, weights_mb, experts_mb):
     """Bytes per batch-1 decode step of the real 35B-A3B shapes, counted from qjax's own model, against
-    design/KERNELS.md's independent derivation: D (BF16) 5893 MB, B′ (W8A16 g32, BF16 LM head) 3629 MB, routed
-    experts INT2 g64 283 MB. (KERNELS.md's A, 2042 MB, has the shared expert in INT2; the w2w4 preset keeps it
+    docs/kernels.md's independent derivation: D (BF16) 5893 MB, B′ (W8A16 g32, BF16 LM head) 3629 MB, routed
+    experts INT2 g64 283 MB. (docs/kernels.md's A, 2042 MB, has the shared expert in INT2; the w2w4 preset keeps it
     INT4 g128, +29 MB.) GDN state 2 × 63 MB fp32 + conv windows, KV ~84 MB at 4K context."""
     model = abstract_recipe_model(bench.load_config(), recipe)
     d = bench.decode_bytes(model, 1, 4096)

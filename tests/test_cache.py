@@ -1,4 +1,4 @@
-"""qjax.cache: rows at their own lengths, addressed by row, in right-padded chunks: a forward on any subset of a
+"""qjax.model.cache: rows at their own lengths, addressed by row, in right-padded chunks: a forward on any subset of a
 cache's rows (in any order, with padding rows and a shorter attention window) gives each row the logits of its
 sequence run alone, and leaves the other rows untouched."""
 
@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import qjax
-from qjax.builtin import default_model_dir
+from qjax.checkpoint.hub import default_model_dir
 
 TOL = 1e-4  # the cached-vs-full tolerance of tests/test_generate.py
 

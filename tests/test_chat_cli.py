@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from qjax.builtin import default_model_dir
-from qjax.chat_cli import render_conversation
+from qjax.checkpoint.hub import default_model_dir
+from qjax.cli.chat import render_conversation
 from qjax.tokenizer import Tokenizer
 
 PROMPT_RE = re.compile(r"--- prompt \((\d+) tokens\) ---\n(.*?)\n--- end of prompt ---\n", re.S)

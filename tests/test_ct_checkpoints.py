@@ -14,12 +14,12 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import qjax
 from ct_util import ct_dequantized, ct_reference_logits, write_ct_checkpoint
 from hf_util import make_hf_model, tiny_text_config
 from qjax.convert import save_pretrained
-from qjax.loading import module_weight
+
+import qjax
+from qjax.checkpoint.loading import module_weight
 
 EXPERTS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 IGNORE = ["lm_head", r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$"]
@@ -85,11 +85,11 @@ def test_weights_bit_exact_vs_compressed_tensors(ckpt):
 
 def test_weights_stay_packed_in_memory(ckpt):
     """Quantized modules hold the stored words (int32 packs / float8 values) and no dense copy of the weight."""
-    from qjax.loading import _leaf_shapes
+    from qjax.model.variables import variable_shapes
 
     _, folder = ckpt
     model = qjax.load_model(folder)
-    leaves = _leaf_shapes(model)
+    leaves = variable_shapes(model)
     packed = {p: v for p, v in leaves.items() if p[-1] == "weight_packed"}
     assert packed and all(v.dtype in (jnp.int32, jnp.float8_e4m3fn) for v in packed.values())
     modules = {p[:-1] for p in packed}
@@ -127,7 +127,7 @@ def test_cached_decode_equals_forward_with_fp8_kv(ckpt):
 
 
 def test_write_back_is_byte_identical(ckpt, tmp_path):
-    from qjax.safetensors_io import SafetensorsFile
+    from qjax.checkpoint.safetensors_io import SafetensorsFile
 
     name, folder = ckpt
     model = qjax.load_model(folder)
@@ -167,11 +167,11 @@ def test_official_layout_quantized(hf128, tmp_path):
 
 def test_rtn_in_qjax_equals_compressed_tensors_rtn(hf128, tmp_path):
     """qjax's own RTN (quantize_model) packs the same bits as compressed-tensors' calculate_qparams + compress."""
-    from qjax.quant.rtn import quantize_model
-
     import copy
 
     import torch
+
+    from qjax.autoround.rtn import quantize_model
 
     # a bf16 model, as llmcompressor runs it: compressed-tensors computes in the weight dtype
     hf = copy.deepcopy(hf128).to(torch.bfloat16)
@@ -183,7 +183,7 @@ def test_rtn_in_qjax_equals_compressed_tensors_rtn(hf128, tmp_path):
     dense = qjax.load_model(dense_dir, dtype=ct_model.dtype)
     qc = json.load(open(os.path.join(folder, "config.json")))["quantization_config"]
     ours = quantize_model(dense, qc)
-    from qjax.convert.hf_writer import checkpoint_tensors
+    from qjax.checkpoint.layout import checkpoint_tensors
     a = {k: g() for k, _, g in checkpoint_tensors(ours)}
     b = {k: g() for k, _, g in checkpoint_tensors(ct_model)}
     assert set(a) == set(b)
@@ -205,7 +205,8 @@ def test_planner_predicts_what_loading_allocates(ckpt):
 def test_planner_recipe_matches_a_real_rtn_checkpoint(tiny_hf, tmp_path):
     """`inspect --config --recipe` (shapes only) predicts the tensors an RTN checkpoint of that recipe really has."""
     from qjax.convert.planner import plan_folder, plan_recipe, recipe_to_qconfig
-    from qjax.quant.rtn import quantize_model
+
+    from qjax.autoround.rtn import quantize_model
 
     recipe = "experts=int2:g32,rest=int4:g32,lm_head=int8:channel"  # tiny dims: groups must divide 32-wide inputs
     model = qjax.load_model(tiny_hf[1], dtype=jnp.bfloat16)
@@ -218,7 +219,8 @@ def test_planner_recipe_matches_a_real_rtn_checkpoint(tiny_hf, tmp_path):
 
 def test_rtn_names_the_module_when_groups_do_not_divide(tiny_hf):
     from qjax.convert.planner import recipe_to_qconfig
-    from qjax.quant.rtn import quantize_model
+
+    from qjax.autoround.rtn import quantize_model
 
     model = qjax.load_model(tiny_hf[1], dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match=r"model\.layers\.\d+\..*\[.*\]: 64 columns are not divisible by group_size 128"):

@@ -1,4 +1,4 @@
-"""Checks of the compressed-tensors checkpoint generator and float32 oracle (tests/ct_util.py) against FORMATS.md.
+"""Checks of the compressed-tensors checkpoint generator and float32 oracle (tests/ct_util.py) against docs/formats.md.
 
 Each recipe is written once per session; the tests then check the on-disk layout per key family (§1, §3, §6, §7),
 decode a few modules independently with numpy from the bit layout of §4 / §5, and sanity-check the dequantized
@@ -19,8 +19,6 @@ import numpy as np
 import pytest
 import torch
 from compressed_tensors import QuantizationConfig
-from safetensors import safe_open
-
 from ct_util import (
     ct_dequantized,
     ct_reference_logits,
@@ -31,6 +29,7 @@ from ct_util import (
     write_ct_checkpoint,
 )
 from hf_util import hf_logits, make_hf_model, odd_text_config, tiny_text_config
+from safetensors import safe_open
 
 EXPERTS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 IGNORE = ["lm_head", r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$"]
@@ -159,7 +158,7 @@ CASES: dict[str, tuple[dict[str, Any], torch.dtype, dict[str, Any], bool, Any]] 
     ),
 }
 CALIB_IDS = np.random.default_rng(11).integers(0, 389, (2, 20))  # in range of every config's vocab
-# Rough relative-error bounds of ||W_deq - W|| / ||W|| on random weights (FORMATS.md §4: int8 0.6 %, MXFP8 2.6 %,
+# Rough relative-error bounds of ||W_deq - W|| / ||W|| on random weights (docs/formats.md §4: int8 0.6 %, MXFP8 2.6 %,
 # int4 10-11 %, int2 39-51 %); the per-module bound is looser since tiny modules scatter more.
 REL_ERR = {2: 0.55, 4: 0.15, 8: 0.012, "mxfp8": 0.04}
 
@@ -211,7 +210,7 @@ def _modules(w: Written) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def test_tensor_families(written: Written) -> None:
-    """FORMATS.md §3: suffix sets, dtypes and shapes per key family; dense tensors keep the model dtype."""
+    """docs/formats.md §3: suffix sets, dtypes and shapes per key family; dense tensors keep the model dtype."""
     w = written
     model_dtype = CASES[w.name][1]
     recipe = CASES[w.name][2]
@@ -368,7 +367,7 @@ def test_quantization_config(written: Written) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Independent decode (FORMATS.md §4 / §5) vs compressed-tensors' decompression
+# Independent decode (docs/formats.md §4 / §5) vs compressed-tensors' decompression
 # --------------------------------------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,5 @@
-"""The built-in default model (qjax/assets/default) and the training code that made it (qjax.train,
-qjax.tokenizer_train).
+"""The built-in default model (qjax/assets/default) and the training code that made it (qjax.builtin.train,
+qjax.builtin.train_tokenizer).
 
 Numbers behind the thresholds (from the shipped model's training_log.json and these tests' own slices):
 - held-out perplexity of the BF16 checkpoint ≈ PPL_LOGGED on all of heldout.txt; on the 2,048-token slice scored here
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import qjax
-from qjax import train as T
-from qjax.config import FULL, LINEAR, TextConfig
+from qjax.builtin import train as T
+from qjax.model.config import FULL, LINEAR, TextConfig
 
 ASSET = Path(qjax.__file__).resolve().parent / "assets" / "default"
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -160,7 +160,7 @@ def test_learning_rate_schedule():
 
 
 def test_tokenizer_training_round_trip(tmp_path):
-    from qjax.tokenizer_train import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
+    from qjax.builtin.train_tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
 
     texts = ["It is a truth universally acknowledged, that a single man in possession of a good fortune, "
              "must be in want of a wife."] * 50 + ["Emma Woodhouse, handsome, clever, and rich — 1816."] * 50

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import qjax
-from qjax.builtin import default_model_dir
+from qjax.checkpoint.hub import default_model_dir
 
 BUILTIN = default_model_dir()
 PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy walked into the room and",
@@ -101,7 +101,7 @@ def test_ppl_matches_an_independent_computation(env, reference):
 
 
 def test_jsonl_paragraphs_tokenize_like_the_text(tmp_path):
-    from qjax.evaluate import load_tokenizer, read_texts, tokenize_texts
+    from qjax.evaluation.evaluate import load_tokenizer, read_texts, tokenize_texts
 
     text = "First paragraph, with words.\n\nSecond one; more words.\n\nThird."
     (tmp_path / "a.txt").write_text(text)
@@ -131,7 +131,8 @@ def rtn_copy(tmp_path_factory, reference):
     """The built-in model RTN-quantized as the Qwen3.6 target recipe (routed experts INT2 g64, other linears INT4 g64,
     symmetric; compressed-tensors) with its tokenizer files. INT4 alone left 12-token answers' argmaxes unchanged."""
     from qjax.convert import save_pretrained
-    from qjax.quant.rtn import quantize_model
+
+    from qjax.autoround.rtn import quantize_model
 
     scheme = lambda bits: {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64}
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
@@ -156,7 +157,7 @@ def self_fidelity(env, prompts_file):
 
 
 def test_fidelity_of_the_reference_to_itself(self_fidelity, reference):
-    from qjax.evaluate import encode_prompts, load_tokenizer
+    from qjax.evaluation.evaluate import encode_prompts, load_tokenizer
 
     got = self_fidelity
     assert got["chat"] is True  # the built-in folder has a chat template, so it is used by default
@@ -210,7 +211,7 @@ def test_compare_tiny_checkpoint_against_transformers(env, tiny_hf):
 
 
 def test_compare_blocks_names_the_perturbed_block(tiny_hf):
-    from qjax.compare import compare_blocks
+    from qjax.evaluation.compare import compare_blocks
 
     hf, folder = tiny_hf
     hf = copy.deepcopy(hf)
@@ -228,9 +229,10 @@ def test_compare_blocks_names_the_perturbed_block(tiny_hf):
 def test_compare_reads_a_compressed_tensors_folder(tiny_hf, tmp_path):
     """transformers decompresses a qjax-written pack-quantized folder (per-expert packed experts included) to the
     same function qjax computes from the packed weights."""
-    from qjax.compare import compare_folder
     from qjax.convert import save_pretrained
-    from qjax.quant.rtn import quantize_model
+
+    from qjax.autoround.rtn import quantize_model
+    from qjax.evaluation.compare import compare_folder
 
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
           "config_groups": {"g": {"targets": ["Linear"], "weights": {

@@ -1,18 +1,17 @@
 """Gated delta rule: chunked vs exact recurrence, and both against transformers' torch reference functions.
 
-Tolerance 1e-5: the two forms compute the same fp32 math in a different order; measured ≈3e-7 (MODEL.md §2.5).
+Tolerance 1e-5: the two forms compute the same fp32 math in a different order; measured ≈3e-7 (docs/model.md §2.5).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-import jax
-
-from qjax.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule, unit_lower_inverse
+from qjax.model.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule, unit_lower_inverse
 
 
 def _inputs(b, t, hk, hv, dk, dv, seed):

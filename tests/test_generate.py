@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_util import hf_generate_greedy
 
 import qjax
-from hf_util import hf_generate_greedy
-from qjax.generate import process_logits
+from qjax.runtime.generate import process_logits
 
-TOL = 1e-4  # transformers' own cached vs full forward differs by up to 8.3e-5 (MODEL.md §9)
+TOL = 1e-4  # transformers' own cached vs full forward differs by up to 8.3e-5 (docs/model.md §9)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +93,7 @@ def test_stream_yields_the_same_tokens_as_generate(tiny):
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 20, 1.0), (0.7, 0, 0.8), (1.3, 50, 0.95), (1.0, 1, 1.0)])
 def test_logit_processors_match_transformers(temperature, top_k, top_p):
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     logits = np.random.default_rng(0).normal(size=(4, 300)).astype(np.float32) * 3
     x = torch.from_numpy(logits.copy())
@@ -112,7 +111,7 @@ def test_logit_processors_match_transformers(temperature, top_k, top_p):
 
 def test_sampling_follows_the_distribution():
     """Seeded sampling of a fixed 3-way distribution: empirical frequencies within 3σ of the probabilities."""
-    from qjax.generate import next_token
+    from qjax.runtime.generate import next_token
 
     logits = jnp.log(jnp.array([[0.6, 0.3, 0.1, 1e-9]], jnp.float32)).repeat(4000, axis=0)
     toks = np.asarray(next_token(logits, jax.random.key(0), do_sample=True, temperature=1.0, top_k=0, top_p=1.0))

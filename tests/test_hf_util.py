@@ -7,9 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
-
 from hf_util import (
     hf_generate_greedy,
     hf_logits,
@@ -18,6 +15,8 @@ from hf_util import (
     tiny_text_config,
     write_official_layout,
 )
+from safetensors import safe_open
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 
 
 def _read_checkpoint(folder: str | Path) -> dict[str, torch.Tensor]:
@@ -44,13 +43,13 @@ def test_tiny_config_shape(tiny_hf: tuple[torch.nn.Module, str]) -> None:
     assert cfg["model_type"] == "qwen3_5_moe_text"
     assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     assert cfg["rope_parameters"]["mrope_section"] == [2, 1, 1]
-    assert sum(p.numel() for p in model.parameters()) == 374_728  # MODEL.md §1.1
+    assert sum(p.numel() for p in model.parameters()) == 374_728  # docs/model.md §1.1
     assert tiny_text_config(rope_parameters={"rope_theta": 5.0})["rope_parameters"]["mrope_interleaved"] is True
     assert tiny_text_config(num_hidden_layers=8)["layer_types"][7] == "full_attention"
 
 
 def test_norms_and_dt_bias_are_perturbed(tiny_hf: tuple[torch.nn.Module, str]) -> None:
-    """Zero-init norm offsets / unit dt_bias would hide (1 + w) vs w mistakes (MODEL.md §1.1)."""
+    """Zero-init norm offsets / unit dt_bias would hide (1 + w) vs w mistakes (docs/model.md §1.1)."""
     model, _ = tiny_hf
     checked = 0
     for name, p in model.named_parameters():
@@ -118,7 +117,7 @@ def test_official_layout_files(official_dir: str, tiny_hf: tuple[torch.nn.Module
 
 
 def test_official_layout_loads_faithfully(official_dir: str, tiny_hf: tuple[torch.nn.Module, str]) -> None:
-    """Both transformers classes read the rewritten folder back to the exact same logits (MODEL.md §6.2)."""
+    """Both transformers classes read the rewritten folder back to the exact same logits (docs/model.md §6.2)."""
     model, _ = tiny_hf
     ids = _prompt(512)
     ref = hf_logits(model, ids)

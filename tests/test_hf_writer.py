@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from qjax.convert import save_pretrained
 
 import qjax
-from qjax.convert import save_pretrained
 
 
 def test_round_trip_through_transformers(official_dir, tmp_path):
@@ -34,7 +34,7 @@ def test_round_trip_through_transformers(official_dir, tmp_path):
 def test_fused_bf16_layout(tiny_hf, tmp_path):
     model = qjax.load_model(tiny_hf[1])
     out = save_pretrained(model, tmp_path / "bf16", dtype=jnp.bfloat16, fused_experts=True)
-    from qjax.safetensors_io import SafetensorsFile
+    from qjax.checkpoint.safetensors_io import SafetensorsFile
     f = SafetensorsFile(os.path.join(out, "model.safetensors"))
     assert f.dtype("model.layers.0.mlp.experts.gate_up_proj") == "BF16"
     assert f.shape("model.layers.0.mlp.experts.gate_up_proj") == [8, 64, 64] or \

@@ -1,4 +1,4 @@
-"""Pallas-Triton dense dequant matmul (kernels/qmatmul_pallas.py) vs the plain-JAX reference (kernels/reference.py).
+"""Pallas-Triton dense dequant matmul (kernels/qmatmul_pallas.py) vs the plain-JAX reference (kernels/qmatmul_reference.py).
 
 Numerics run the real kernels in Pallas interpret mode on CPU, always under ``jax.jit`` (compiled with cheap XLA
 options: the interpret-mode graphs are compile-bound). Random data everywhere: random int32 words (every bit
@@ -24,13 +24,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
 from h200_util import TRITON_TARGET, lower_for_h200
-from qjax.kernels import reference
+from qjax.kernels import qmatmul_reference as reference
 from qjax.kernels.qmatmul_pallas import KernelConfig, choose_config, lowering_cases, qmatmul_pallas
-from qjax.kernels.reference import QuantMeta
+from qjax.kernels.quant_meta import QuantMeta
 
-# jax ≥ 0.11 deprecates the Pallas Triton backend (id ``jax-pallas-triton``, KERNELS.md §3)
+# jax ≥ 0.11 deprecates the Pallas Triton backend (id ``jax-pallas-triton``, docs/kernels.md §3)
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 # Interpret-mode kernels are big loop nests: compile them cheaply (numerics are unaffected).
@@ -49,7 +48,7 @@ def kernel(x, packed, scale, zero, meta, config=None):
 
 
 def ref_qmatmul(x, packed, scale, zero, meta):
-    """The oracle, :func:`kernels.reference.qmatmul`, jitted (op-by-op dispatch would recompile every op per shape)."""
+    """The oracle, :func:`kernels.qmatmul_reference.qmatmul`, jitted (op-by-op dispatch would recompile every op per shape)."""
     return run_jit(lambda x, p, s, z: reference.qmatmul(x, p, s, z, meta), x, packed, scale, zero)
 
 
@@ -332,7 +331,7 @@ def test_empty_and_fallback():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Level A: lower every kernel variant for CUDA under an abstract H200 (KERNELS.md §6)
+# Level A: lower every kernel variant for CUDA under an abstract H200 (docs/kernels.md §6)
 # ---------------------------------------------------------------------------------------------------------------------
 CASES = lowering_cases()
 VARIANTS = sorted({name.split("_m")[0] for name, _, _ in CASES})
@@ -377,7 +376,7 @@ def test_layer_in_stack(fmt, bits, group, k, n, symmetric, m):
         got = run_jit(lambda x, p, s, z, g_: qmatmul_pallas(x, p, s, z, meta, interpret=True, layer=g_),
                       x, *stack, jnp.int32(g))
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        ref = run_jit(lambda x, p, s, z, g_: entry(x, p, s, z, meta, impl="reference", group=g_), x, *stack,
+        ref = run_jit(lambda x, p, s, z, g_: entry(x, p, s, z, meta, impl="reference", layer=g_), x, *stack,
                       jnp.int32(g))
         np.testing.assert_array_equal(np.asarray(ref), np.asarray(ref_qmatmul(x, *layers[g], meta)))
 
@@ -412,7 +411,7 @@ def test_dense_matmul(x_dtype, w_dtype, m, n, k):
     (200, 100, 3),    # N and K need padding: kernels.matmul leaves the layer to XLA
 ])
 def test_dense_layer_in_stack(n, k, m):
-    """``kernels.matmul(x, w[G, N, K], group=g)`` equals ``x @ w[g]ᵀ`` through every implementation; the Pallas
+    """``kernels.matmul(x, w[G, N, K], layer=g)`` equals ``x @ w[g]ᵀ`` through every implementation; the Pallas
     kernel reads layer g in place when no padding is needed; a layer that would need padding (matmul_pallas would
     slice and pad it: a copy and an extra launch) and rows above DENSE_IN_STACK_MAX_ROWS go to XLA's dot."""
     from qjax.kernels import matmul as entry
@@ -430,10 +429,10 @@ def test_dense_layer_in_stack(n, k, m):
         got = run_jit(lambda x, w, g_: matmul_pallas(x, w, interpret=True, layer=g_), x, stack, jnp.int32(g))
         assert_f32_close(got, want)
         for impl in ("reference", "xla", "interpret"):
-            y = run_jit(lambda x, w, g_: entry(x, w, impl=impl, group=g_), x, stack, jnp.int32(g))
+            y = run_jit(lambda x, w, g_: entry(x, w, impl=impl, layer=g_), x, stack, jnp.int32(g))
             assert_f32_close(y, want)
     def program(rows):
-        return str(jax.make_jaxpr(lambda x, w: entry(x, w, impl="interpret", group=jnp.int32(1)))(
+        return str(jax.make_jaxpr(lambda x, w: entry(x, w, impl="interpret", layer=jnp.int32(1)))(
             make_x(rng, (rows, k)), stack))
 
     assert ("pallas_call" in program(m)) == (n != 200)
@@ -444,7 +443,7 @@ def test_dense_layer_in_stack(n, k, m):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dense_grads(dtype):
     """Gradients w.r.t. x and the weight stack equal plain JAX's on the sliced layer (the dense weights are trained:
-    qjax.train, and a model must learn the same with the kernels on)."""
+    qjax.builtin.train, and a model must learn the same with the kernels on)."""
     from qjax.kernels import matmul as entry
     from qjax.kernels.qmatmul_pallas import matmul_pallas
 
@@ -457,7 +456,7 @@ def test_dense_grads(dtype):
 
     pal = loss(lambda x, w: matmul_pallas(x, w, interpret=True, layer=jnp.int32(1)))
     ref = loss(lambda x, w: reference.matmul(x, w[1]))
-    ent = loss(lambda x, w: entry(x, w, impl="interpret", group=jnp.int32(1)))
+    ent = loss(lambda x, w: entry(x, w, impl="interpret", layer=jnp.int32(1)))
     want = run_jit(jax.grad(ref, argnums=(0, 1)), x, stack)
     for f in (pal, ent):
         got = run_jit(jax.grad(f, argnums=(0, 1)), x, stack)

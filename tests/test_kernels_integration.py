@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import qjax
 from ct_util import write_ct_checkpoint
 from hf_util import make_hf_model, tiny_text_config
+
+import qjax
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

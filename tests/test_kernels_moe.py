@@ -2,7 +2,7 @@
 
 Numerics run the Pallas kernels in interpret mode on CPU under ``jax.jit``, jitted together with the reference
 (compiled once per shape, with XLA's backend optimization level 0: half the compile time); GPU lowering is checked
-at "Level A" (KERNELS.md §6): ``.lower(lowering_platforms=("cuda",))`` under an abstract H200 mesh, no GPU needed.
+at "Level A" (docs/kernels.md §6): ``.lower(lowering_platforms=("cuda",))`` under an abstract H200 mesh, no GPU needed.
 
 Tolerances (max |out − ref| / max |ref|):
 - fp32 x: 1e-5.  Both sides dequantize bit-identically (fp32 → scale dtype → x dtype) and accumulate in fp32 (IEEE,
@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
 from h200_util import TRITON_TARGET, lower_for_h200
 from qjax.kernels import moe_pallas
 from qjax.kernels.moe_pallas import MoEConfig, _align, _e8m0_to_f32, lowering_cases, moe_config, moe_experts_pallas
 from qjax.kernels.moe_reference import moe_experts
-from qjax.kernels.reference import QuantMeta, dense_meta
+from qjax.kernels.quant_meta import QuantMeta, dense_meta
+
 from qjax.quant.packing import e8m0_to_float32
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated:DeprecationWarning")
@@ -353,7 +353,7 @@ def test_dense_experts_grads():
 
     def loss(impl):
         def f(x, w, gus, dns):
-            out = entry(x, idx, w, (gus, None, None, gm), (dns, None, None, dm), impl=impl, group=jnp.int32(1))
+            out = entry(x, idx, w, (gus, None, None, gm), (dns, None, None, dm), impl=impl, layer=jnp.int32(1))
             return jnp.sum(out * ct)
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
 
@@ -458,7 +458,7 @@ def test_dropped_slots(n):
     """Ids outside [0, E) (how expert parallelism passes other devices' experts) add nothing: equal to the same
     routing with those slots' weights zeroed — for the Pallas kernels (both alignments) and every reference path."""
     from qjax.kernels.moe_reference import experts_blocked, experts_gather, experts_grouped
-    from qjax.kernels.reference import dequantize_experts
+    from qjax.kernels.qmatmul_reference import dequantize_experts
 
     case = CASES["odd_int4_asym_g32_g8"]
     x, idx, w, gu, dn = _data(case, n, jnp.float32, seed=3)
@@ -518,7 +518,7 @@ def test_kernel_scope():
 @pytest.mark.parametrize("impl", ["reference", "xla", "interpret"])
 @pytest.mark.parametrize("n", [1, 9])
 def test_expert_group_in_stack(impl, n):
-    """``group=g`` reads layer g's experts inside a ``[G, E, …]`` stack (how the model's layer scan passes them, so
+    """``layer=g`` reads layer g's experts inside a ``[G, E, …]`` stack (how the model's layer scan passes them, so
     the layer's experts are not copied out): equal to the same call on the sliced layer, dropped slots included."""
     from qjax.kernels import moe_experts as entry
 
@@ -531,5 +531,5 @@ def test_expert_group_in_stack(impl, n):
              for j in (3, 4)]
     for g in (0, 2):
         want = entry(x, idx, w, (*layers[g][3], gm), (*layers[g][4], dm), impl="reference")
-        got = jax.jit(lambda g_: entry(x, idx, w, (*stack[0], gm), (*stack[1], dm), impl=impl, group=g_))(g)
+        got = jax.jit(lambda g_: entry(x, idx, w, (*stack[0], gm), (*stack[1], dm), impl=impl, layer=g_))(g)
         assert _rel_err(got, want) <= (1e-6 if impl != "interpret" else F32_TOL), (impl, g)

@@ -1,4 +1,4 @@
-"""qjax.lm_eval_adapter: lm-eval's three request types against direct qjax and transformers scoring on a tiny random
+"""qjax.evaluation.lm_eval_adapter: lm-eval's three request types against direct qjax and transformers scoring on a tiny random
 checkpoint (word-level tokenizer written here), then the real lm-eval command line on the built-in Austen model with
 local tasks written into tmp_path (multiple choice, rolling perplexity, generation).
 
@@ -22,15 +22,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from eval_tasks import austen_tasks
 from hf_util import hf_generate_greedy, hf_logits, make_hf_model, save_hf, tiny_text_config
-from qjax.builtin import default_model_dir
+
+from qjax.checkpoint.hub import default_model_dir
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from qjax.lm_eval_adapter import QJaxLM, bucket_length  # noqa: E402
+from qjax.evaluation.lm_eval_adapter import QJaxLM, bucket_length  # noqa: E402
 
 VOCAB = 512
 EOT = VOCAB - 1  # "<|endoftext|>", last id of the word-level vocabulary
@@ -205,7 +205,7 @@ def test_lm_eval_command_line(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets"), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "qjax.cli", "lm-eval", "--model", "qjax",  # = python -m qjax.lm_eval_adapter
+    cmd = [sys.executable, "-m", "qjax.cli", "lm-eval", "--model", "qjax",  # = python -m qjax.evaluation.lm_eval_adapter
            "--model_args", f"pretrained={default_model_dir()},dtype=float32,batch_size=8",
            "--tasks", "qjax_austen_mc,qjax_austen_ppl,qjax_austen_gen", "--include_path", str(tmp_path / "tasks"),
            "--limit", "16", "--output_path", str(out), "--log_samples"]

@@ -10,11 +10,11 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_util import tiny_text_config
 from safetensors.numpy import load_file, save_file
 
 import qjax
-from hf_util import tiny_text_config
-from qjax.config import TextConfig
+from qjax.model.config import TextConfig
 
 
 def _copy(src: str, dst) -> str:

@@ -1,7 +1,7 @@
 """Model parity against transformers' qwen3_5_moe (pure-torch CPU path), float32.
 
 Tolerance 2e-4 absolute on logits: two fp32 implementations each carry their own rounding. transformers' own
-cached-vs-full forward differs by up to 8e-5 on these models (MODEL.md §9); against the same HF model run in float64,
+cached-vs-full forward differs by up to 8e-5 on these models (docs/model.md §9); against the same HF model run in float64,
 HF's fp32 logits are off by 5.2e-5 and qjax's by 8.3e-5–9.3e-5 (tiny config, T = 77), so the two may differ by
 their sum: 1.1e-4 on a 2-core AMD EPYC host (2026-12-01), under 1e-4 on the Intel Xeon hosts before, with the same
 package versions. Any real mistake ((1+w) vs w, chunked M-RoPE, head layout) moves logits by 0.1–4.
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from hf_util import hf_logits
 
 import qjax
-from hf_util import hf_logits
-from qjax.config import TextConfig
-from qjax.model import init_model
+from qjax.model.config import TextConfig
+from qjax.model.qwen3_5_moe import init_model
 
 TOL = 2e-4
 
@@ -80,10 +80,13 @@ def test_official_layout_equals_per_expert_layout(tiny_hf, official_dir):
 
 def test_mtp_head_matches_torch_composition(official_dir):
     """MTP (not in transformers): composed here from transformers' own modules and the official weights."""
+    import glob
+    import json
+    import os
+
     from safetensors.torch import load_file
     from transformers import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hfm
-    import glob, json, os
 
     model = qjax.load_model(official_dir)
     ids = _ids(512, 2, 19, seed=6)

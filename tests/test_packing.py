@@ -15,20 +15,20 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32,
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
+from qjax.kernels import unpack_int
+from qjax.kernels.qmatmul_reference import e8m0_to_float32 as device_e8m0_to_float32
 
 from qjax.quant import WeightScheme
 from qjax.quant.packing import (
     dequantize,
     e4m3_to_float32,
     e8m0_to_float32,
-    e8m0_to_float32_jnp,
     float32_to_e4m3,
     pack_int32,
     pack_zero_point,
     quantize_int,
     quantize_mxfp8,
     unpack_int32,
-    unpack_int32_jnp,
     unpack_zero_point,
 )
 
@@ -84,7 +84,7 @@ def bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
 # packing
 # ---------------------------------------------------------------------------------------------------------------------
 def test_worked_examples() -> None:
-    """FORMATS.md §4's worked examples."""
+    """docs/formats.md §4's worked examples."""
     q2 = np.array([[-2, -1, 0, 1, 1, 0, -1, -2, 0, 0, 1, 1, -2, -2, -1, 0]], np.int8)
     p2 = pack_int32(q2, 2)
     assert p2.dtype == np.int32 and p2.shape == (1, 1)
@@ -157,15 +157,14 @@ def test_pack_rejects_bad_input() -> None:
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("cols", COLS)
-def test_unpack_jnp_matches_numpy(bits: int, cols: int) -> None:
+def test_device_unpack_matches_numpy(bits: int, cols: int) -> None:
     q = random_q(bits, (2, 5, cols), seed=cols * bits)
     packed = pack_int32(q, bits)
-    f = jax.jit(unpack_int32_jnp, static_argnums=(1, 2, 3))
-    out8 = f(jnp.asarray(packed), bits, cols, jnp.int8)
-    out32 = f(jnp.asarray(packed), bits, cols, jnp.int32)
-    assert out8.dtype == jnp.int8 and out32.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(out8), unpack_int32(packed, bits, cols))
-    np.testing.assert_array_equal(np.asarray(out32), q.astype(np.int32))
+    # the device decode the kernels' references use (qjax.kernels.unpack_int) against this host codec
+    out = jax.jit(unpack_int, static_argnums=(1, 2))(jnp.asarray(packed), bits, cols)
+    assert out.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(out), unpack_int32(packed, bits, cols))
+    np.testing.assert_array_equal(np.asarray(out), q.astype(np.int32))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -178,7 +177,7 @@ def test_e8m0_decode() -> None:
     ref = (2.0 ** (torch.from_numpy(u).to(torch.int32) - 127).to(torch.bfloat16)).float().numpy()
     assert bits_equal(got, ref)
     assert got[0] == 2.0**-127 and got[127] == 1.0 and got[254] == 2.0**127 and np.isposinf(got[255])
-    assert bits_equal(np.asarray(jax.jit(e8m0_to_float32_jnp)(jnp.asarray(u))), got)
+    assert bits_equal(np.asarray(jax.jit(device_e8m0_to_float32)(jnp.asarray(u))), got)  # the kernels' decode
     if hasattr(ml_dtypes, "float8_e8m0fnu"):
         assert bits_equal(e8m0_to_float32(u.view(ml_dtypes.float8_e8m0fnu)), got)
 

@@ -1,7 +1,7 @@
 """qjax.quant.config: parsing real-world-shaped compressed-tensors configs, matching, refusals, round trips.
 
 The config dicts below mirror the shapes of the tiny fixture checkpoints (llmcompressor 0.14 / compressed-tensors 0.19
-and auto-round 0.15 exports, see design/FORMATS.md §1); they are embedded so the tests read nothing from disk.
+and auto-round 0.15 exports, see docs/formats.md §1); they are embedded so the tests read nothing from disk.
 """
 
 from __future__ import annotations

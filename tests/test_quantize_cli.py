@@ -13,9 +13,9 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ar_util import NSAMPLES, SEQLEN, read_tensors, write_base, write_calibration
 
 import qjax
-from ar_util import NSAMPLES, SEQLEN, read_tensors, write_base, write_calibration
 from qjax.autoround.api import progress_dir_for
 from qjax.autoround.data import calibration_ids, load_tokenizer
 
@@ -65,8 +65,9 @@ def test_kill_then_resume_equals_uninterrupted(base, tmp_path):
     report = json.load(open(os.path.join(out, "qjax_autoround.json")))
     assert [r["index"] for r in report] == [0, 1, 2, 3]
 
-    from qjax.autoround.driver import AutoRound, AutoRoundConfig
     from qjax.convert import save_pretrained
+
+    from qjax.autoround.driver import AutoRound, AutoRoundConfig
 
     model = qjax.load_model(folder, dtype=jnp.float32)
     ids = calibration_ids(calib, load_tokenizer(folder), nsamples=NSAMPLES, seqlen=SEQLEN)

@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import qjax
 from hf_util import tiny_text_config
-from qjax.config import TextConfig
 from qjax.convert import save_pretrained
 from qjax.convert.planner import plan_recipe
-from qjax.random_model import random_model
+
+import qjax
+from qjax.model.config import TextConfig
+from qjax.runtime.random_model import random_model
 
 RECIPES = ["bf16", "experts=int2:g32,attn=int4:g32:asym,rest=int8:g32", "experts=mxfp8,lm_head=int8:g32,kv=fp8"]
 

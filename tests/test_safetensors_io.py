@@ -1,4 +1,4 @@
-"""Tests for qjax.safetensors_io against the official ``safetensors`` package (the reference implementation)."""
+"""Tests for qjax.checkpoint.safetensors_io against the official ``safetensors`` package (the reference implementation)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from qjax.safetensors_io import (
+from qjax.checkpoint.safetensors_io import (
     SafetensorsError,
     SafetensorsFile,
     list_checkpoint_files,

@@ -1,4 +1,4 @@
-"""qjax.sampling: the per-row sampler draws, row for row, exactly what qjax.generate's one-key sampler draws for a
+"""qjax.runtime.sampling: the per-row sampler draws, row for row, exactly what qjax.generate's one-key sampler draws for a
 batch of one — the property the serving engine's exactness rests on — and filters like transformers' warpers."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qjax.generate import next_token
-from qjax.sampling import SamplingArrays, filter_logits, sample, split_keys, token_logprobs
+from qjax.runtime.generate import next_token
+from qjax.runtime.sampling import SamplingArrays, filter_logits, sample, split_keys, token_logprobs
 
 
 @pytest.mark.parametrize("vocab", [7, 300, 4096])

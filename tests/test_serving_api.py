@@ -18,13 +18,13 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 import requests
+from eval_tasks import austen_tasks
+from serve_util import Server, alone
 
 import qjax
-from eval_tasks import austen_tasks
-from qjax.builtin import default_model_dir
+from qjax.checkpoint.hub import default_model_dir
 from qjax.serving import SamplingParams
 from qjax.tokenizer import Tokenizer
-from serve_util import Server, alone
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +120,7 @@ def test_lm_eval_through_the_server_equals_qjax_lm_eval(server, tmp_path, monkey
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    import qjax.lm_eval_adapter  # noqa: F401 (registers "qjax")
+    import qjax.evaluation.lm_eval_adapter  # noqa: F401 (registers "qjax")
 
     austen_tasks(tmp_path / "tasks")
     for k, v in {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),

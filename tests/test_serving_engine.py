@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from serve_util import alone
 
 import qjax
-from qjax.builtin import default_model_dir
+from qjax.checkpoint.hub import default_model_dir
 from qjax.serving import Engine, EngineConfig, EngineError, SamplingParams
-from serve_util import alone
 
 _TRACES = []
 jax.monitoring.register_event_duration_secs_listener(
@@ -135,9 +135,9 @@ def test_prompt_logprobs_equal_the_full_forward(model, engine):
 
 
 def test_fp8_kv_cache_keeps_its_scales(model):
-    from qjax.loading import with_fp8_kv_cache
-
     from flax import nnx
+
+    from qjax.checkpoint.loading import with_fp8_kv_cache
 
     fp8 = with_fp8_kv_cache(model)
     # stored per-head scales (what a calibrated checkpoint carries), not the unit default

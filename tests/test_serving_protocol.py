@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from qjax.builtin import default_model_dir
+from qjax.checkpoint.hub import default_model_dir
 from qjax.serving import RequestOutput, TokenLogprob
-from qjax.serving.protocol import (ApiError, CompletionRequest, Defaults, ReasoningStream, TextAssembler,
-                                   completion_logprobs, completion_prompts, sampling_params, split_reasoning)
+from qjax.serving.protocol import (
+    ApiError,
+    CompletionRequest,
+    Defaults,
+    ReasoningStream,
+    TextAssembler,
+    completion_logprobs,
+    completion_prompts,
+    sampling_params,
+    split_reasoning,
+)
 from qjax.tokenizer import Tokenizer
 
 

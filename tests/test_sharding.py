@@ -17,10 +17,10 @@ import subprocess
 import sys
 
 import pytest
-
 from hf_util import tiny_text_config
-from qjax.config import TextConfig
-from qjax.sharding import MeshError, check_fits, param_spec, parse_mesh_spec, plan_mesh
+
+from qjax.model.config import TextConfig
+from qjax.model.sharding import MeshError, check_fits, param_spec, parse_mesh_spec, plan_mesh
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
@@ -95,7 +95,7 @@ def test_pallas_kernels_run_per_shard(report):
 
 
 def test_random_model_made_in_shards(report):
-    """qjax.random_model(mesh=...) creates each shard on its device and computes what the one-device model does."""
+    """qjax.runtime.random_model(mesh=...) creates each shard on its device and computes what the one-device model does."""
     r = report["random_model"]
     assert r["worst_over_tol"] <= 1.0 and set(r["device_bytes"]) == {r["expected_device_bytes"]}
 
@@ -142,9 +142,9 @@ def test_parse_mesh_spec():
 def test_packed_row_split_keeps_groups(caplog):
     """A row-parallel packed weight splits its words and scale groups at the same column, or stays replicated."""
     import jax
-
     from qjax.kernels import QuantMeta
-    from qjax.sharding import AXES, MeshPlan
+
+    from qjax.model.sharding import AXES, MeshPlan
 
     plan = MeshPlan(mesh=jax.sharding.AbstractMesh((1, 2, 1), AXES), kv_split=True, vocab_split=True)
     meta = QuantMeta(fmt="int", bits=4, group_size=128, strategy="group", symmetric=True, out_features=2048,

@@ -12,13 +12,13 @@ import unicodedata
 
 import pytest
 
-from qjax.builtin import default_model_dir
+from qjax.checkpoint.hub import default_model_dir
 from qjax.tokenizer import CHATML_FALLBACK_TEMPLATE, Tokenizer, TokenizerError
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 QWEN_TEMPLATE = os.path.join(FIXTURES, "qwen3_6_style_chat_template.jinja")
 
-# Qwen3.5/3.6 tokenizer facts (design doc MODEL.md §7): NFC, this pre-tokenizer regex (digits one by one), 248,044
+# Qwen3.5/3.6 tokenizer facts (design doc docs/model.md §7): NFC, this pre-tokenizer regex (digits one by one), 248,044
 # BPE ranks then these 33 special tokens from id 248044 on
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -31,7 +31,7 @@ QWEN_SPECIALS = (
     "<tts_text_bos_single>", "<|audio_pad|>",
 )
 QWEN_N_RANKS = 248044
-# MODEL.md's published tokenisation of one user turn with thinking disabled
+# docs/model.md's published tokenisation of one user turn with thinking disabled
 HELLO_MESSAGES = [{"role": "user", "content": "Hello, how are you?"}]
 HELLO_TEXT = "<|im_start|>user\nHello, how are you?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 HELLO_IDS = [248045, 846, 198, 9419, 11, 1204, 513, 488, 30, 248046, 198, 248045, 74455, 198, 248068, 271, 248069, 271]

@@ -26,8 +26,8 @@ import pytest
 
 import qjax
 from qjax import validation
-from qjax.builtin import default_model_dir
-from qjax.safetensors_io import SafetensorsFile, write_safetensors
+from qjax.checkpoint.hub import default_model_dir
+from qjax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 from qjax.validation import Fields, confined, json_depth, parse_json, read_json
 
 
@@ -64,10 +64,11 @@ def bases(tmp_path_factory) -> dict[str, Path]:
     """The folders cases start from: the built-in model, a small quantized checkpoint (MXFP8 experts, INT4 g32
     asymmetric attention, INT4 g32 rest, FP8 K/V per tensor) and the same INT model in the auto_round format; and the
     bait a hostile folder points at (a valid safetensors file outside every case folder)."""
-    from qjax.cli import DEMO_CONFIG
-    from qjax.config import TextConfig
     from qjax.convert import save_autoround, save_pretrained
-    from qjax.random_model import random_model
+
+    from qjax.cli import DEMO_CONFIG
+    from qjax.model.config import TextConfig
+    from qjax.runtime.random_model import random_model
 
     root = tmp_path_factory.mktemp("hostile-bases")
     out = {"builtin": root / "builtin"}

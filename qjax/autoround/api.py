@@ -12,14 +12,19 @@ import json
 import logging
 import os
 
+import jax.numpy as jnp
 import numpy as np
+
+import qjax
+from qjax.checkpoint.hub import default_model_dir
+from qjax.checkpoint.view import Checkpoint
+from qjax.convert.autoround_writer import save_autoround
+from qjax.convert.hf_writer import preflight, save_pretrained
 
 from . import progress as prog
 from .data import calibration_ids, load_tokenizer, read_documents
 from .driver import AutoRound, AutoRoundConfig, report_json
-from .schemes import _FIELDS, check_scheme
-from qjax.builtin import default_model_dir
-from qjax.convert.hf_writer import preflight
+from .schemes import SCHEME_FIELDS, check_scheme, parse_layer_config, preset
 
 logger = logging.getLogger("qjax.autoround")
 
@@ -50,15 +55,11 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
     Returns:
       ``output_dir``.
     """
-    import jax.numpy as jnp
-
-    import qjax
-
     # options are checked before anything is loaded or computed
     base = cfg.base_scheme
     check_scheme(base, "--bits/--group_size/--data_type")
     for pat, opts in cfg.layer_config.items():
-        check_scheme(dataclasses.replace(base, **{k: v for k, v in opts.items() if k in _FIELDS}),
+        check_scheme(dataclasses.replace(base, **{k: v for k, v in opts.items() if k in SCHEME_FIELDS}),
                      f"--layer_config[{pat!r}]")
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not supported (choose from {', '.join(FORMATS)})")
@@ -93,11 +94,9 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
         f.write(report_json(ar.reports))
     extra.append(report)
     if fmt == "llm_compressor":
-        from qjax.convert.hf_writer import save_pretrained
 
         save_pretrained(qmodel, output_dir, overwrite=overwrite, extra_files=extra)
     else:
-        from qjax.convert.autoround_writer import save_autoround
 
         save_autoround(qmodel, output_dir, overwrite=overwrite, extra_files=extra, tuning=_tuning_keys(cfg, ids),
                        layer_config=cfg.layer_config or None)
@@ -108,9 +107,8 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
 def _output_bytes(model_dir: str, cfg: AutoRoundConfig) -> int:
     """An upper estimate of the quantized checkpoint's size, from the source's headers: every 2-D ``.weight`` at
     the widest bits the options use (plus its scales), everything else as it is."""
-    from qjax.loading import Checkpoint
 
-    schemes = [cfg.base_scheme] + [dataclasses.replace(cfg.base_scheme, **{k: v for k, v in o.items() if k in _FIELDS})
+    schemes = [cfg.base_scheme] + [dataclasses.replace(cfg.base_scheme, **{k: v for k, v in o.items() if k in SCHEME_FIELDS})
                                    for o in cfg.layer_config.values()]
     bits = max(8 if s.data_type == "mx_fp" else s.bits for s in schemes)
     group = min((s.group_size for s in schemes if s.group_size and s.group_size > 0), default=128)
@@ -145,11 +143,10 @@ def _tuning_keys(cfg: AutoRoundConfig, ids: np.ndarray) -> dict:
 
 def config_from_args(a) -> AutoRoundConfig:
     """An :class:`AutoRoundConfig` from ``qjax quantize`` flags (auto-round's names)."""
-    from .schemes import _preset, parse_layer_config
 
     base = {}
     if a.scheme:
-        base = _preset(a.scheme, "--scheme")
+        base = preset(a.scheme, "--scheme")
     fields = dict(bits=base.get("bits", 4), group_size=base.get("group_size", 128), sym=base.get("sym", True),
                   data_type=base.get("data_type", "int"))
     for k in ("bits", "group_size", "data_type"):

@@ -8,11 +8,16 @@ that folder loaded back are the same bits.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax.numpy as jnp
 import numpy as np
 
+from qjax.autoround.rtn import dense_entries
+from qjax.checkpoint.loading import load_from_view
+from qjax.checkpoint.safetensors_io import dtype_name
+from qjax.checkpoint.view import MemoryCheckpoint
 from qjax.quant.config import KVCacheScheme, QuantizationConfig, WeightScheme
 from qjax.quant.packing import e8m0_to_float32, pack_zero_point, unpack_int32
 
@@ -52,7 +57,7 @@ def _module_tensors(module: str, r, scale_dtype: str) -> dict[str, tuple]:
         return {f"{module}.weight": (values.shape, "F8_E4M3", values),
                 f"{module}.weight_scale": (r.scale.shape, "U8", np.asarray(r.scale, np.uint8))}
     scale = np.asarray(jnp.asarray(r.scale, jnp.float32).astype(jnp.dtype(scale_dtype)))
-    st = {"float16": "F16", "float32": "F32", "bfloat16": "BF16"}[scale_dtype]
+    st = dtype_name(jnp.dtype(scale_dtype))
     out = {f"{module}.weight_packed": (r.packed.shape, "I32", np.asarray(r.packed, np.int32)),
            f"{module}.weight_scale": (scale.shape, st, scale),
            f"{module}.weight_shape": ((2,), "I64", np.asarray([r.packed.shape[-2], r.in_features], np.int64))}
@@ -64,10 +69,6 @@ def _module_tensors(module: str, r, scale_dtype: str) -> dict[str, tuple]:
 
 def build_quantized_model(ar):
     """The packed qjax model of a finished :class:`~qjax.autoround.driver.AutoRound` run."""
-    from qjax.convert.hf_writer import checkpoint_tensors as dense_tensors
-    from qjax.loading import _load
-    from qjax.quant.rtn import _MemoryCheckpoint, _dense_entries
-
     model, mcfg, cfg = ar.model, ar.model.config, ar.cfg
     if len(ar.results) < len(ar.layers):
         raise RuntimeError(f"AutoRound: {len(ar.results)} of {len(ar.layers)} blocks are quantized; run() first")
@@ -99,19 +100,17 @@ def build_quantized_model(ar):
     qc = QuantizationConfig(groups=tuple((f"group_{j}", tuple(v), k) for j, (k, v) in enumerate(groups.items())),
                             ignore=tuple(ignore), kv_cache=kv)
     merged: dict[str, tuple] = {}
-    for key, shape, dtype, get in _dense_entries(model, dense_tensors):
+    for key, shape, dtype, get in dense_entries(model):
         module = key[: -len(".weight")] if key.endswith(".weight") else None
         if module in quantized_modules:
             continue
         merged[key] = (shape, dtype, get)
     merged.update(entries)
-    ckpt = _MemoryCheckpoint(os.path.join("<memory>", "autoround"), merged)
-    qmodel = _load(mcfg, qc, ckpt, model.dtype)
+    ckpt = MemoryCheckpoint(os.path.join("<memory>", "autoround"), merged)
+    qmodel = load_from_view(mcfg, qc, ckpt, model.dtype)
     qmodel.generation_config = getattr(model, "generation_config", None)
     return qmodel
 
 
 def _expert_slice(r, e: int):
-    import dataclasses
-
     return dataclasses.replace(r, packed=r.packed[e], scale=r.scale[e], zp=None if r.zp is None else r.zp[e])

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.config import LINEAR
-from qjax.loading_quant import layer_linears
+from qjax.checkpoint.quant_plan import layer_linears
+from qjax.model.config import LINEAR
+from qjax.model.rope import apply_rope
 
 # auto-round never quantizes these (special_model_handler: routers and the shared-expert gate)
 _IGNORED = ("mlp.gate", "mlp.shared_expert_gate")
@@ -106,7 +107,6 @@ def layer_apply(graphdef, state, weights: dict, h: jnp.ndarray, ctx) -> jnp.ndar
 def attention_kv(layer, h: jnp.ndarray, ctx) -> tuple[jnp.ndarray, jnp.ndarray]:
     """K (after k_norm + RoPE) and V of a full-attention layer for input ``h [B, T, H]``: what an FP8 KV cache
     stores, so what static KV scales are calibrated on."""
-    from qjax.rope import apply_rope
 
     if layer.layer_type == LINEAR:
         raise ValueError("attention_kv: a linear-attention layer has no KV")

@@ -1,4 +1,4 @@
-"""Calibration data from a local file (nothing from a hub), cut the way auto-round cuts pile-10k (AUTOROUND.md §15).
+"""Calibration data from a local file (nothing from a hub), cut the way auto-round cuts pile-10k (docs/autoround.md §15).
 
 Accepted files:
   - ``.txt``: documents separated by blank lines;
@@ -19,6 +19,7 @@ import os
 import random
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from qjax.validation import parse_json
 
@@ -81,8 +82,6 @@ def _doc(obj, where: str) -> str | list[int]:
 
 def load_tokenizer(model_dir: str | os.PathLike):
     """The ``tokenizers`` tokenizer of a model folder (its tokenizer.json)."""
-    from tokenizers import Tokenizer
-
     path = os.path.join(os.fspath(model_dir), "tokenizer.json")
     if not os.path.isfile(path):
         raise CalibrationError(f"{model_dir}: no tokenizer.json, so text calibration data cannot be tokenized; "

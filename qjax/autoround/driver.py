@@ -1,4 +1,4 @@
-"""The per-block AutoRound (SignRound) loop: AUTOROUND.md §19 in JAX.
+"""The per-block AutoRound (SignRound) loop: docs/autoround.md §19 in JAX.
 
     fp_in = q_in = embed(calibration ids)
     for each decoder layer:
@@ -25,14 +25,28 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm.auto import tqdm
 
-from qjax.config import FULL
+from qjax.model.config import FULL
 from qjax.quant.packing import pack_int32
+
 from . import blocks
+from . import progress as prog
+from .assemble import build_quantized_model, dequantize_result
 from .data import IndexSampler
-from .qdq import (fp8_kv_scale, init_params, opt_rtn_int_sym, qdq_int_asym, qdq_int_sym, quantize_mxfp8,
-                  search_scales, weight_minmax)
+from .imatrix import collect
 from .optim import clamp_minmax, default_lr, make_optimizer
+from .qdq import (
+    fp8_kv_scale,
+    init_params,
+    opt_rtn_int_sym,
+    qdq_int_asym,
+    qdq_int_sym,
+    quantize_mxfp8,
+    search_scales,
+    weight_minmax,
+)
+from .results import BlockReport, UnitResult
 from .schemes import Scheme, resolve
 
 logger = logging.getLogger("qjax.autoround")
@@ -40,7 +54,7 @@ logger = logging.getLogger("qjax.autoround")
 
 @dataclasses.dataclass(frozen=True)
 class AutoRoundConfig:
-    """auto-round 0.16.1's options and defaults (AUTOROUND.md §5), by the same names."""
+    """auto-round 0.16.1's options and defaults (docs/autoround.md §5), by the same names."""
 
     bits: int = 4
     group_size: int = 128
@@ -82,30 +96,6 @@ class AutoRoundConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class UnitResult:
-    """The exported form of one unit, already in compressed-tensors' layout (kept packed: a 35B run holds every
-    finished layer on the host)."""
-
-    scheme: Scheme
-    packed: np.ndarray  # int32 [*lead, out, ceil(in·b/32)] signed codes packed along in; mxfp8: float8 [*lead, out, in]
-    scale: np.ndarray  # float32 [*lead, out, G] (values of scale_dtype, may be negative); mxfp8: uint8 E8M0
-    in_features: int
-    zp: np.ndarray | None = None  # asymmetric: int8 [*lead, out, G], signed (compressed-tensors' convention)
-    scale_dtype: str = "float16"
-
-
-@dataclasses.dataclass
-class BlockReport:
-    index: int
-    kind: str
-    units: int
-    init_loss: float | None = None  # iteration 0 = RTN
-    best_loss: float | None = None
-    best_iter: int | None = None
-    seconds: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -200,7 +190,6 @@ class AutoRound:
 
     # -- main loop ----------------------------------------------------------------------------------------------------
     def run(self) -> dict[int, dict[str, UnitResult]]:
-        from . import progress as prog
 
         done = prog.load(self) if self.resume else 0
         if not self.resume and self.progress_dir:
@@ -253,7 +242,6 @@ class AutoRound:
         self._finish_block(report, t0)
 
     def _finish_block(self, report: BlockReport, t0: float) -> None:
-        from . import progress as prog
 
         report.seconds = time.perf_counter() - t0
         self.reports.append(report)
@@ -314,7 +302,7 @@ class AutoRound:
 
     def _opt_rtn(self, s: Scheme, u: blocks.Unit) -> bool:
         """auto-round's optimized RTN (imatrix scale search) at iters = 0: on by default except for W8 int; off for
-        MoE experts unless asked (AUTOROUND.md §12) and for asymmetric int (min-max)."""
+        MoE experts unless asked (docs/autoround.md §12) and for asymmetric int (min-max)."""
         if self.cfg.iters != 0:
             return False
         disable = self.cfg.disable_opt_rtn
@@ -328,7 +316,6 @@ class AutoRound:
         return any(self._alg_ext_scale(s) or self._opt_rtn(s, u) for u, s in units)
 
     def _imatrix(self, layer, fp_in, units) -> dict[str, jnp.ndarray]:
-        from .imatrix import collect
 
         return collect(layer, fp_in, [u for u, _ in units], self._ctx, self.cfg.batch_size)
 
@@ -381,7 +368,6 @@ class AutoRound:
     # -- results ------------------------------------------------------------------------------------------------------
     def _apply_results(self, layer, i: int):
         """A copy of ``layer`` whose quantized units hold their fake-quantized (dequantized) weights."""
-        from .assemble import dequantize_result
 
         res = self.results.get(i, {})
         units = blocks.layer_units(self.mcfg, self.mcfg.layer_types[i])
@@ -407,7 +393,6 @@ class AutoRound:
         return np.asarray(jnp.max(jnp.stack(ks), 0)), np.asarray(jnp.max(jnp.stack(vs), 0))
 
     def quantized_model(self):
-        from .assemble import build_quantized_model
 
         return build_quantized_model(self)
 
@@ -499,10 +484,6 @@ def _fmt(x) -> str:
 
 def _bar(enabled: bool, total: int, desc: str):
     if not enabled or total == 0:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is a dependency; a stripped environment just loses the bar
         return None
     return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
 

@@ -16,10 +16,10 @@ class _CaptureLinear(nnx.Module):
     def __init__(self, inner):
         self.inner = inner
 
-    def __call__(self, x, group=None):
+    def __call__(self, x, layer=None):
         x2 = jnp.square(x.astype(jnp.float32)).reshape(-1, x.shape[-1])
         self.sow(nnx.Intermediate, "sq", jnp.sum(x2, axis=0))
-        return self.inner(x, group)
+        return self.inner(x, layer)
 
 
 class _CaptureExperts(nnx.Module):

@@ -1,4 +1,4 @@
-"""auto-round's SignSGD with its LinearLR(1 -> 0) schedule, as Optax transformations (design/AUTOROUND.md §4).
+"""auto-round's SignSGD with its LinearLR(1 -> 0) schedule, as Optax transformations (docs/autoround.md §4).
 
 The update at 0-based step t is ``-lr * (1 - t / iters) * sign(g)`` (``sign(0) = 0``: a parameter whose gradient
 is exactly zero does not move). V and (alpha, beta) have separate learning rates, and each module may have its own

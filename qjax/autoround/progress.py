@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import zipfile
 
 import ml_dtypes
@@ -20,6 +21,7 @@ import numpy as np
 
 from qjax.validation import read_json
 
+from .results import BlockReport, UnitResult
 from .schemes import Scheme
 
 STATE = "state.json"
@@ -123,7 +125,6 @@ def load(ar) -> int:
 
 
 def _load_block(ar, i: int, path: str) -> None:
-    from .driver import BlockReport, UnitResult
 
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(bytes(z["meta"]).decode())
@@ -143,6 +144,5 @@ def _load_block(ar, i: int, path: str) -> None:
 
 def finish(folder: str) -> None:
     """Remove the progress folder after the checkpoint is written."""
-    import shutil
 
     shutil.rmtree(folder, ignore_errors=True)

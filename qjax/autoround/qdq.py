@@ -1,4 +1,4 @@
-"""Quantize-dequantize functions of auto-round 0.16.1, re-derived in JAX (design/AUTOROUND.md §1.2, §2, §11-14).
+"""Quantize-dequantize functions of auto-round 0.16.1, re-derived in JAX (docs/autoround.md §1.2, §2, §11-14).
 
 Every weight is ``[*lead, N, K]`` (``lead = ()`` for a Linear, ``(E,)`` for stacked experts); groups run along K.
 ``group_size`` g > 0 means groups of g input channels (K % g == 0 is required: auto-round's zero padding of a ragged
@@ -46,7 +46,7 @@ def clamp_ste(x: jax.Array, lo: float, hi: float) -> jax.Array:
     """``clip(x, lo, hi)`` whose gradient is 1 on ``[lo, hi]`` inclusive and 0 outside, like ``torch.clamp``.
 
     ``jnp.clip`` would give 0.5 at a bound and ``lax.clamp`` 0; after rounding, q sits exactly on a bound very
-    often (int2: 2 of the 4 levels), so the difference changes which parameters move (AUTOROUND.md §2.4).
+    often (int2: 2 of the 4 levels), so the difference changes which parameters move (docs/autoround.md §2.4).
     """
     inside = (x >= lo) & (x <= hi)
     return jnp.where(inside, x, jax.lax.stop_gradient(jnp.clip(x, lo, hi)))
@@ -400,7 +400,7 @@ def search_scales(
     gmax)`` (k = 0 is the plain full-range scale) are scored by ``sum(imatrix * (s * clamp(round(w / s), -nmax,
     nmax - 1) - w)^2)`` and the first minimum wins. The arithmetic runs in w's dtype like auto-round's (bf16
     candidates and products, squared error in f32), so a bf16 weight gets the same argmin as auto-round, not the
-    one an f32 search would give (AUTOROUND.md §11a). The candidates are scanned with ``lax.scan`` so memory stays
+    one an f32 search would give (docs/autoround.md §11a). The candidates are scanned with ``lax.scan`` so memory stays
     a few copies of w.
 
     Args:

@@ -2,7 +2,7 @@
 
 Names are transformers' text-model names (``model.layers.3.self_attn.q_proj``, experts unfused as
 ``model.layers.0.mlp.experts.5.gate_proj``) because that is what auto-round users write patterns against.
-Matching follows auto-round 0.16.1 (AUTOROUND.md §16.3): exact name first, otherwise the pattern is turned into a
+Matching follows auto-round 0.16.1 (docs/autoround.md §16.3): exact name first, otherwise the pattern is turned into a
 standard regex and ``re.search``-ed; patterns apply in dict order, so a later one overwrites an earlier one.
 """
 
@@ -14,11 +14,12 @@ import logging
 import re
 from typing import Any
 
+from qjax.checkpoint.auto_round import standard_regex
+
 logger = logging.getLogger("qjax.autoround")
 
 SUPPORTED_BITS = (2, 4, 8)
-_FIELDS = ("bits", "group_size", "sym", "data_type")
-_META = (".*", "^", "$", "|", "(", ")", "[", "]", "?", "+")
+SCHEME_FIELDS = ("bits", "group_size", "sym", "data_type")
 
 
 class LayerConfigError(ValueError):
@@ -90,15 +91,15 @@ def parse_layer_config(arg: str | dict | None) -> dict[str, dict[str, Any]]:
             raise LayerConfigError(f"--layer_config[{pat!r}]: expected a mapping of options, got {opts!r}")
         opts = dict(opts)
         if "scheme" in opts:
-            opts = {**_preset(opts.pop("scheme"), f"--layer_config[{pat!r}]"), **opts}
-        bad = sorted(set(opts) - set(_FIELDS) - {"scale_dtype"})
+            opts = {**preset(opts.pop("scheme"), f"--layer_config[{pat!r}]"), **opts}
+        bad = sorted(set(opts) - set(SCHEME_FIELDS) - {"scale_dtype"})
         if bad:
-            raise LayerConfigError(f"--layer_config[{pat!r}]: unsupported option(s) {bad} (supported: {list(_FIELDS)})")
+            raise LayerConfigError(f"--layer_config[{pat!r}]: unsupported option(s) {bad} (supported: {list(SCHEME_FIELDS)})")
         out[str(pat)] = opts
     return out
 
 
-def _preset(name: str, where: str) -> dict[str, Any]:
+def preset(name: str, where: str) -> dict[str, Any]:
     presets = {"W2A16": dict(bits=2, group_size=128, sym=True), "W2A16G64": dict(bits=2, group_size=64, sym=True),
                "W2A16G32": dict(bits=2, group_size=32, sym=True), "W4A16": dict(bits=4, group_size=128, sym=True),
                "W8A16": dict(bits=8, group_size=128, sym=True), "MXFP8": dict(bits=8, group_size=32, data_type="mx_fp"),
@@ -145,26 +146,6 @@ def _parse_loose(text: str) -> dict:
         raise LayerConfigError(f"--layer_config: cannot parse {text!r}") from None
 
 
-def standard_regex(pattern: str) -> str:
-    """auto-round's ``to_standard_regex``: literal names match as substrings, bare dots are escaped."""
-    if not any(tok in pattern for tok in _META):
-        return f".*{re.escape(pattern)}.*"
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith(".*", i):
-            out.append(".*")
-            i += 2
-            continue
-        out.append("\\." if pattern[i] == "." else pattern[i])
-        i += 1
-    regex = "".join(out)
-    if not regex.startswith(("^", ".*")):
-        regex = ".*" + regex
-    if not regex.endswith(("$", ".*")):
-        regex += ".*"
-    return regex
-
-
 def resolve(names: dict[str, tuple[int, int]], base: Scheme, layer_config: dict[str, dict[str, Any]]) -> dict[str, Scheme]:
     """Scheme per module name.
 
@@ -191,7 +172,7 @@ def resolve(names: dict[str, tuple[int, int]], base: Scheme, layer_config: dict[
         for pat, rx, opts in compiled:
             if name == pat or rx.search(name):
                 hits[pat] += 1
-                s = dataclasses.replace(s, **{k: v for k, v in opts.items() if k in _FIELDS})
+                s = dataclasses.replace(s, **{k: v for k, v in opts.items() if k in SCHEME_FIELDS})
         check_scheme(s, f"{name} (from --layer_config)")
         if s.quantized and not s.is_mxfp8 and (n_out % 32 or n_in % 32):
             # auto-round's rule for INT weight-only schemes: such layers stay in the model dtype

@@ -1,6 +1,6 @@
 """Compressed-tensors quantization support: config parsing (``config``) and bit-exact codecs (``packing``).
 
-Formats handled (see design/FORMATS.md): ``pack-quantized`` INT2/INT4/INT8 weights (symmetric or with packed zero
+Formats handled (see docs/formats.md): ``pack-quantized`` INT2/INT4/INT8 weights (symmetric or with packed zero
 points; group, channel or tensor scales) and ``mxfp8-quantized`` weights (E4M3 values, E8M0 scales per 32 columns),
 plus the FP8 KV-cache scheme. Everything else is refused with a ``QuantConfigError`` that names the file and field.
 """
@@ -10,14 +10,12 @@ from .packing import (
     dequantize,
     e4m3_to_float32,
     e8m0_to_float32,
-    e8m0_to_float32_jnp,
     float32_to_e4m3,
     pack_int32,
     pack_zero_point,
     quantize_int,
     quantize_mxfp8,
     unpack_int32,
-    unpack_int32_jnp,
     unpack_zero_point,
 )
 
@@ -29,13 +27,11 @@ __all__ = [
     "dequantize",
     "e4m3_to_float32",
     "e8m0_to_float32",
-    "e8m0_to_float32_jnp",
     "float32_to_e4m3",
     "pack_int32",
     "pack_zero_point",
     "quantize_int",
     "quantize_mxfp8",
     "unpack_int32",
-    "unpack_int32_jnp",
     "unpack_zero_point",
 ]

@@ -1,6 +1,6 @@
 """The compressed-tensors ``quantization_config`` of a checkpoint, parsed into frozen dataclasses.
 
-Only what qjax can run exactly is accepted (design/FORMATS.md §1–§2): ``pack-quantized`` INT2/4/8 weights and
+Only what qjax can run exactly is accepted (docs/formats.md §1–§2): ``pack-quantized`` INT2/4/8 weights and
 ``mxfp8-quantized`` weights, optionally with an FP8 KV-cache scheme. Anything else is refused with a
 ``QuantConfigError`` that names the file and the field — a loader must never guess a format, because a wrong guess
 decodes to plausible-looking garbage rather than an error.
@@ -21,6 +21,8 @@ import dataclasses
 import os
 import re
 from typing import Any
+
+from qjax.model.config import read_config
 
 __all__ = [
     "QuantConfigError",
@@ -198,7 +200,7 @@ class QuantizationConfig:
         """The weight scheme of a module, or None when it is not quantized by the config.
 
         ``is_linear`` says whether the module is a linear layer (what the class target ``"Linear"`` covers). The config
-        only says what *should* be quantized; a loader should still let the tensors present decide (FORMATS.md §2).
+        only says what *should* be quantized; a loader should still let the tensors present decide (docs/formats.md §2).
         """
         found = self.match(module_name, is_linear=is_linear)
         return None if found is None else found[1]
@@ -212,7 +214,6 @@ class QuantizationConfig:
     @classmethod
     def from_config_json(cls, path: str | os.PathLike[str]) -> "QuantizationConfig | None":
         """Read ``config.json`` (or a checkpoint folder holding one); None when it has no ``quantization_config``."""
-        from qjax.config import read_config
 
         path, data = read_config(path)
         qc = data.get("quantization_config")
@@ -488,7 +489,7 @@ class _Parser:
             raise self.error(f"{where}.symmetric", f"asymmetric MXFP8 is not supported; {mx}")
 
     def infer_format(self, w: _Args, where: str) -> str:
-        # FORMATS.md §2 / compressed_tensors.compressors.format: INT 1..8 bits -> pack-quantized (float activations
+        # docs/formats.md §2 / compressed_tensors.compressors.format: INT 1..8 bits -> pack-quantized (float activations
         # were refused above); float 8-bit, group 32, uint8 scales -> mxfp8-quantized (checked by check_weight_type).
         if w.type == "int":
             return PACK_QUANTIZED

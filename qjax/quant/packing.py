@@ -1,6 +1,6 @@
 """Bit-exact codecs for compressed-tensors weights: INT packing, RTN quantizers, MXFP8, and a float32 dequantizer.
 
-Layouts (design/FORMATS.md §4–§5, oracle: ``compressed_tensors.compressors.pack_quantized.helpers`` and
+Layouts (docs/formats.md §4–§5, oracle: ``compressed_tensors.compressors.pack_quantized.helpers`` and
 ``compressors/mxfp8``):
 
 * **pack-quantized**: signed ``q`` in ``[-2^(b-1), 2^(b-1)-1]`` is offset to ``u = q + 2^(b-1)`` and packed densely,
@@ -10,9 +10,9 @@ Layouts (design/FORMATS.md §4–§5, oracle: ``compressed_tensors.compressors.p
 * **mxfp8-quantized**: ``float8_e4m3fn`` values ``[out, in]`` and uint8 E8M0 scales ``[out, in/32]`` with
   ``scale = 2^(u8 - 127)``.
 
-Host functions take and return numpy arrays (``ml_dtypes`` for bfloat16 / float8); ``*_jnp`` functions are their
-jit-friendly device twins. Leading dims (e.g. a fused ``[E, N, K]`` expert stack) are allowed wherever a function
-works on the last dim; compressed-tensors packs each ``[N, K]`` slice independently, which is the same thing.
+Host functions: numpy arrays in and out (``ml_dtypes`` for bfloat16 / float8); the device decode of the same layouts
+is the kernels' (:mod:`qjax.kernels.qmatmul_reference`), tested against these. Leading dims (e.g. a fused
+``[E, N, K]`` expert stack) are allowed wherever a function works on the last dim; compressed-tensors packs each ``[N, K]`` slice independently, which is the same thing.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -30,12 +28,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "pack_int32",
+    "pack_words",
+    "unpack_words",
     "unpack_int32",
     "pack_zero_point",
     "unpack_zero_point",
-    "unpack_int32_jnp",
     "e8m0_to_float32",
-    "e8m0_to_float32_jnp",
     "e4m3_to_float32",
     "float32_to_e4m3",
     "quantize_int",
@@ -146,32 +144,27 @@ def unpack_zero_point(packed: np.ndarray, bits: int, rows: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# device twins
+# word packing of unsigned b-bit values, LSB first, with the slot order inside a word as an argument (identity:
+# compressed-tensors and GPTQ; AWQ interleaves)
 # ---------------------------------------------------------------------------------------------------------------------
-def unpack_int32_jnp(packed: jax.Array, bits: int, cols: int, dtype: jnp.dtype = jnp.int8) -> jax.Array:
-    """Device ``unpack_int32``: int32 ``[..., ceil(cols*bits/32)]`` -> signed ``[..., cols]`` in ``dtype``.
-
-    ``bits`` and ``cols`` are static; only widths that divide 32 (1, 2, 4, 8: no straddling fields) are supported,
-    which covers every pack-quantized width qjax accepts.
-    """
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"unpack_int32_jnp supports 1, 2, 4 or 8 bits, got {bits!r}")
-    words = _packed_words(cols, bits)
-    if packed.shape[-1] != words:
-        raise ValueError(f"{cols} columns of {bits}-bit values need {words} int32 words, got shape {packed.shape}")
-    per_word = 32 // bits
-    u = jax.lax.bitcast_convert_type(packed, jnp.uint32) if packed.dtype != jnp.uint32 else packed
-    shifts = jnp.arange(per_word, dtype=jnp.uint32) * jnp.uint32(bits)
-    fields = (u[..., None] >> shifts) & jnp.uint32((1 << bits) - 1)
-    fields = fields.reshape(*packed.shape[:-1], words * per_word)[..., :cols]
-    return (fields.astype(jnp.int32) - (1 << (bits - 1))).astype(dtype)
+def pack_words(u: np.ndarray, bits: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """Unsigned values ``[..., C]`` (``C`` a multiple of 32/b) → int32 ``[..., C·b/32]``; value ``i`` of each run of
+    32/b goes to slot ``order[i]`` (bits ``[slot·b, (slot+1)·b)``), identity order when None."""
+    per = 32 // bits
+    slots = np.arange(per) if order is None else np.asarray(order)
+    shifts = (slots * bits).astype(np.uint32)
+    fields = u.astype(np.uint32).reshape(*u.shape[:-1], u.shape[-1] // per, per) << shifts
+    return np.ascontiguousarray(np.bitwise_or.reduce(fields, axis=-1).astype(np.uint32)).view(np.int32)
 
 
-def e8m0_to_float32_jnp(u8: jax.Array) -> jax.Array:
-    """Device ``e8m0_to_float32``: ``2^(u8 - 127)`` as float32 (exact; 0 -> 2^-127, 255 -> +inf)."""
-    u = u8.astype(jnp.uint32)
-    bits = jnp.where(u == 0, jnp.uint32(0x00400000), u << 23)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+def unpack_words(words: np.ndarray, bits: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """Inverse of :func:`pack_words`: int32 ``[..., W]`` → int16 ``[..., W·32/b]`` unsigned values."""
+    per = 32 // bits
+    slots = np.arange(per) if order is None else np.asarray(order)
+    shifts = (slots * bits).astype(np.uint32)
+    w = np.ascontiguousarray(words).view(np.uint32)
+    u = (w[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    return u.reshape(*w.shape[:-1], w.shape[-1] * per).astype(np.int16)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -328,7 +321,7 @@ def _round_to_power_2(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_mxfp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """MXFP8 quantization exactly as compressed-tensors' MXFP8 compressor encodes it (FORMATS.md §5).
+    """MXFP8 quantization exactly as compressed-tensors' MXFP8 compressor encodes it (docs/formats.md §5).
 
     ``w`` is ``[..., out, in]`` float32 or bfloat16 with ``in % 32 == 0``. Per 32-column group:
     ``u8 = clip(127 + floor(log2(round_pow2(amax))) - 8, 0, 254)``, values ``e4m3(clip(w / 2^(u8-127), ±448))``.
@@ -380,7 +373,7 @@ def dequantize(
     * mxfp8-quantized: ``weight`` float8_e4m3fn (or its uint8 bytes), ``scale`` uint8 E8M0.
       ``W = e4m3(weight) * 2^(scale - 127)``.
 
-    All math is float32 and exact (FORMATS.md §4 'Exactness'): (q - zp) is a small integer and the scale has at most
+    All math is float32 and exact (docs/formats.md §4 'Exactness'): (q - zp) is a small integer and the scale has at most
     11 significant bits, so one cast of the result to the scale dtype reproduces compressed-tensors' decompression.
     """
     shape = tuple(int(s) for s in np.asarray(shape).reshape(-1))

@@ -26,12 +26,27 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..tokenizer import TokenizerError
 from ..validation import parse_json
 from .engine import Engine, EngineError
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, Defaults, ReasoningStream, TextAssembler,
-                       chat_logprobs, completion_logprobs, completion_prompts, envelope, new_id, sampling_params,
-                       split_reasoning, usage, validation_message)
+from .protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Defaults,
+    ReasoningStream,
+    TextAssembler,
+    chat_logprobs,
+    completion_logprobs,
+    completion_prompts,
+    envelope,
+    new_id,
+    sampling_params,
+    split_reasoning,
+    usage,
+    validation_message,
+)
 
 logger = logging.getLogger("qjax.serving")
 
@@ -229,7 +244,6 @@ def _check_ids(ids, vocab: int, field: str) -> None:
 
 
 def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    from ..tokenizer import TokenizerError
 
     messages = []
     for i, m in enumerate(req.messages):

@@ -1,0 +1,83 @@
+"""The gated delta rule's exact token-by-token recurrence (docs/model.md §2.5), the reference of the GDN kernels.
+
+Everything runs in float32 — a bf16 recurrent state corrupts long decodes (docs/model.md §8.3) — and every matmul
+asks for full fp32 precision so a GPU never silently drops to TF32. The chunked form the model uses for multi-token
+calls (:mod:`qjax.gdn`) builds on :func:`prepare` and is tested against :func:`recurrent_gated_delta_rule`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def l2norm(x: jnp.ndarray, eps: float = 1e-6) -> jnp.ndarray:
+    """``x · rsqrt(Σx² + eps)`` over the last axis: eps inside the sqrt, as FLA and transformers do."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def prepare(q, k, v, g, beta):
+    """Repeat qk heads onto v heads, move heads before time, go to fp32, l2-normalise q/k and scale q.
+
+    In: q, k ``[B, T, Hk, Dk]``; v ``[B, T, Hv, Dv]``; g, beta ``[B, T, Hv]``.
+    Out: q, k ``[B, Hv, T, Dk]``; v ``[B, Hv, T, Dv]``; g, beta ``[B, Hv, T]`` — all float32.
+    """
+    hk, hv = q.shape[2], v.shape[2]
+    if hv != hk:
+        # v head j reads qk head j // (hv/hk): repeat_interleave, not tile (docs/model.md §8.11)
+        q = jnp.repeat(q, hv // hk, axis=2)
+        k = jnp.repeat(k, hv // hk, axis=2)
+    q, k, v, g, beta = (jnp.moveaxis(x.astype(jnp.float32), 2, 1) for x in (q, k, v, g, beta))
+    q = l2norm(q)
+    k = l2norm(k)
+    q = q * (q.shape[-1] ** -0.5)
+    return q, k, v, g, beta
+
+
+def zero_state(q, v):
+    b, h, _, dk = q.shape
+    return jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
+    """Exact recurrence ``S ← e^g S;  S ← S + k ⊗ β(v − Sᵀk);  o = Sᵀq``.
+
+    Args:
+      q, k: ``[B, T, Hk, Dk]``; v: ``[B, T, Hv, Dv]``; g (log decay, ≤ 0), beta: ``[B, T, Hv]``.
+      initial_state: ``[B, Hv, Dk, Dv]`` float32 or None (zeros).
+    Returns:
+      o ``[B, T, Hv, Dv]`` in q's dtype, final state ``[B, Hv, Dk, Dv]`` float32.
+    """
+    out_dtype = q.dtype
+    q, k, v, g, beta = prepare(q, k, v, g, beta)
+    s0 = zero_state(q, v) if initial_state is None else initial_state.astype(jnp.float32)
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs  # [B, H, D] / [B, H]
+        s = s * jnp.exp(g_t)[..., None, None]
+        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
+        delta = (v_t - kv_mem) * b_t[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        o_t = jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST)
+        return s, o_t
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (q, k, v, g, beta))
+    s, o = jax.lax.scan(step, s0, xs)
+    o = jnp.moveaxis(o, 0, 2)  # [B, H, T, Dv]
+    return jnp.moveaxis(o, 1, 2).astype(out_dtype), s
+
+
+def gated_delta_step_reference(q, k, v, g, beta, state, layer=None):
+    """One token of the gated delta rule (plain JAX): ``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``g, beta [B, Hv]``,
+    ``state [B, Hv, Dk, Dv]`` fp32 → ``(o [B, Hv, Dv]`` in q's dtype, new state fp32).
+
+    ``layer``: ``state`` is a ``[L, B, Hv, Dk, Dv]`` stack of layers' states and this is layer ``layer`` (int32, may
+    be traced); the whole stack is returned with that layer's state replaced.
+    """
+    s0 = state if layer is None else state[layer]
+    o, s = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], s0)
+    if layer is not None:
+        s = jax.lax.dynamic_update_index_in_dim(state, s.astype(state.dtype), layer, 0)
+    return o[:, 0], s

@@ -1,0 +1,89 @@
+"""Plain-JAX references of the matmul kernels, dense and packed weights (used on CPU; the tests' oracle for Pallas).
+
+Weight formats, as compressed-tensors stores them (docs/formats.md §3–§5), all ``[out, in]`` with groups along ``in``:
+- ``int``: ``packed`` int32 ``[..., N, ceil(K·b/32)]``, b ∈ {2, 4, 8}, LSB-first, value + 2^(b−1) unsigned;
+  ``scale`` ``[..., N, G]`` (G = ceil(K/group); channel: G = 1; tensor: ``[..., 1, 1]``);
+  ``zero`` int8 ``[..., N, G]`` or None (symmetric).  W = (q − zp) · scale.
+- ``mxfp8``: ``packed`` float8_e4m3fn ``[..., N, K]``; ``scale`` uint8 E8M0 ``[..., N, K/32]``.  W = w · 2^(s − 127).
+The dequantized weight is computed in fp32 (exact: small integer × 8–11-bit scale), rounded once to the scale dtype
+(bf16 for MXFP8) — exactly compressed-tensors' decompression output — and then cast to the activation dtype (a no-op
+for a bf16 model with bf16 scales).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .quant_meta import QuantMeta
+
+
+def matmul(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+    """``x [..., K] @ wᵀ`` for an unquantized ``w [N, K]`` → ``[..., N]`` in x's dtype (fp32 accumulation; float32
+    inputs at HIGHEST precision, so no TF32 / bf16 passes)."""
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                            precision=precision, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def unpack_int(packed: jnp.ndarray, bits: int, cols: int) -> jnp.ndarray:
+    """``int32 [..., W]`` → signed ``int32 [..., cols]`` (b ∈ {2, 4, 8}: no field straddles a word)."""
+    per = 32 // bits
+    shifts = jnp.arange(per, dtype=jnp.uint32) * bits
+    u = (packed.astype(jnp.uint32)[..., None] >> shifts) & jnp.uint32((1 << bits) - 1)
+    u = u.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :cols]
+    return u.astype(jnp.int32) - (1 << (bits - 1))
+
+
+def e8m0_to_float32(u8: jnp.ndarray) -> jnp.ndarray:
+    """``2^(u8 − 127)`` exactly, by building the float32 bits (``ldexp`` flushes 2^−127 to 0 on XLA:CPU);
+    255 → +inf as compressed-tensors decodes it."""
+    u = u8.astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(jnp.where(u == 0, jnp.uint32(0x00400000), u << 23), jnp.float32)
+
+
+def expand_groups(s: jnp.ndarray, group_size: int, cols: int) -> jnp.ndarray:
+    """``[..., N, G]`` per-group values → ``[..., N, cols]``."""
+    return jnp.repeat(s, group_size, axis=-1, total_repeat_length=s.shape[-1] * group_size)[..., :cols]
+
+
+def dequantize(packed, scale, zero, meta: QuantMeta, dtype=jnp.float32) -> jnp.ndarray:
+    """Packed weight → dense ``[..., N, K]`` in ``dtype`` (fp32 math, one final rounding)."""
+    k = meta.in_features
+    if meta.fmt == "dense":
+        return packed.astype(dtype)
+    if meta.fmt == "mxfp8":
+        w = packed.astype(jnp.float32) * expand_groups(e8m0_to_float32(scale), 32, k)
+        return w.astype(jnp.bfloat16).astype(dtype)
+    q = unpack_int(packed, meta.bits, k).astype(jnp.float32)
+    if zero is not None:
+        q = q - expand_groups(zero.astype(jnp.float32), meta.group_size, k)
+    s = scale.astype(jnp.float32)
+    s = jnp.broadcast_to(s, (*q.shape[:-1], s.shape[-1])) if s.shape[-2] == 1 else s
+    w = q * expand_groups(s, meta.group_size, k)
+    return w.astype(jnp.dtype(meta.scale_dtype)).astype(dtype)
+
+
+def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta) -> jnp.ndarray:
+    """``x [..., K] @ dequant(W)ᵀ`` → ``[..., N]`` in x's dtype (fp32 accumulation)."""
+    w = dequantize(packed, scale, zero, meta, x.dtype)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def dequantize_experts(packed, scale, zero, meta: QuantMeta, idx: jnp.ndarray | None, dtype) -> jnp.ndarray:
+    """Dense ``[E or idx.shape…, N, K]`` weights of the experts in ``idx`` (all experts when None)."""
+    if idx is not None:
+        if jnp.issubdtype(packed.dtype, jnp.floating) and packed.dtype.itemsize == 1:
+            # gather float8 as bytes: XLA:CPU otherwise converts the whole [E, …] stack to float32 before the
+            # gather, on every call (MXFP8 decode was 4× slower than INT2 on the CPU for it)
+            raw = jax.lax.bitcast_convert_type(packed, jnp.uint8)[idx]
+            packed = jax.lax.bitcast_convert_type(raw, packed.dtype)
+        else:
+            packed = packed[idx]
+        scale = None if scale is None else scale[idx]
+        zero = None if zero is None else zero[idx]
+    return dequantize(packed, scale, zero, meta, dtype)

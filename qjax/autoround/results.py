@@ -1,0 +1,34 @@
+"""What an AutoRound run produces per block: each unit's packed result and the block's loss report (shared by the
+driver, which makes them, and the progress folder, which stores them between sessions)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .schemes import Scheme
+
+
+@dataclasses.dataclass
+class UnitResult:
+    """The exported form of one unit, already in compressed-tensors' layout (kept packed: a 35B run holds every
+    finished layer on the host)."""
+
+    scheme: Scheme
+    packed: np.ndarray  # int32 [*lead, out, ceil(in·b/32)] signed codes packed along in; mxfp8: float8 [*lead, out, in]
+    scale: np.ndarray  # float32 [*lead, out, G] (values of scale_dtype, may be negative); mxfp8: uint8 E8M0
+    in_features: int
+    zp: np.ndarray | None = None  # asymmetric: int8 [*lead, out, G], signed (compressed-tensors' convention)
+    scale_dtype: str = "float16"
+
+
+@dataclasses.dataclass
+class BlockReport:
+    index: int
+    kind: str
+    units: int
+    init_loss: float | None = None  # iteration 0 = RTN
+    best_loss: float | None = None
+    best_iter: int | None = None
+    seconds: float = 0.0

@@ -1,0 +1,247 @@
+"""Next-token training of :class:`qjax.model.qwen3_5_moe.Qwen3_5MoeForCausalLM` with optax, and held-out perplexity.
+
+    model = qjax.init_model(cfg, seed=0)
+    tc = TrainConfig(steps=1000, batch=16, seqlen=256)
+    model, log = train(model, batches(train_ids, tc.batch, tc.seqlen, seed=0), tc)
+    ppl = perplexity(model, heldout_ids, seqlen=256, batch=8)
+
+What the loop does:
+- AdamW (decoupled weight decay on matrices only) with linear warmup then cosine decay, global-norm gradient clipping;
+- loss = mean next-token cross-entropy + ``aux_loss_coef`` · the MoE load-balancing loss (Switch / Qwen-MoE style:
+  ``E · Σ_e f_e · P_e`` per layer, averaged over layers, with ``f_e`` the fraction of top-k slots routed to expert e
+  and ``P_e`` the mean router probability), so the router spreads tokens over the experts;
+- one jitted step over the model's :class:`nnx.State` (``nnx.split`` / ``nnx.merge``); deterministic given the seeds of
+  :func:`qjax.init_model` and :func:`batches` (up to floating-point reassociation across machines).
+
+The training forward (:func:`forward_train`) is the model's own forward — same modules, same layer-group scan — that
+also returns the router logits' balancing loss; a test checks its logits equal :meth:`Qwen3_5MoeForCausalLM.forward`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from qjax.evaluation import evaluate
+from qjax.model.config import LINEAR
+from qjax.model.moe import route
+from qjax.model.qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch: int = 16
+    seqlen: int = 256
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr · min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0
+    aux_loss_coef: float = 0.01
+    seed: int = 0  # recorded with the run; callers pass it to init_model and batches
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# forward with the router loss
+# ---------------------------------------------------------------------------------------------------------------------
+def load_balancing_loss(router_logits: jnp.ndarray, idx: jnp.ndarray, num_experts: int) -> jnp.ndarray:
+    """``E · Σ_e f_e · P_e`` for one layer (1.0 when perfectly balanced).
+
+    Args:
+      router_logits: ``[N, E]``; idx: ``[N, k]`` the selected experts.
+    """
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    frac = jnp.mean(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32), axis=(0, 1))  # [E], sums to 1
+    return num_experts * jnp.sum(frac * jnp.mean(probs, axis=0))
+
+
+def _moe_with_aux(moe, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """:class:`qjax.model.moe.SparseMoeBlock` ``__call__`` that also returns its load-balancing loss."""
+    b, t, h = x.shape
+    xf = x.reshape(b * t, h)
+    logits = moe.gate(xf)
+    weights, idx = route(logits, moe.top_k)
+    routed = moe.experts(xf, idx, weights)
+    shared = jax.nn.sigmoid(moe.shared_expert_gate(xf)) * moe.shared_expert(xf)
+    aux = load_balancing_loss(logits, idx, logits.shape[-1])
+    return (routed.astype(x.dtype) + shared).reshape(b, t, h), aux
+
+
+def _layer_with_aux(layer, h, ctx):
+    x = layer.input_layernorm(h)
+    mixer = layer.linear_attn if layer.layer_type == LINEAR else layer.self_attn
+    out = mixer(x, ctx, None)[0]
+    h = h + out
+    out, aux = _moe_with_aux(layer.mlp, layer.post_attention_layernorm(h))
+    return h + out, aux
+
+
+def forward_train(model: Qwen3_5MoeForCausalLM, input_ids: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Traceable forward without cache or padding: ``input_ids [B, T]`` → (logits ``[B, T, V]`` fp32, mean
+    load-balancing loss over the layers)."""
+    ctx, _ = model._context(input_ids, None, None, None)
+    h = model.embed(input_ids)
+    graphdef, state = nnx.split(model.groups)
+
+    def body(h, group_state):
+        group = nnx.merge(graphdef, group_state)
+        auxes = []
+        for layer in group.layers:
+            h, aux = _layer_with_aux(layer, h, ctx)
+            auxes.append(aux)
+        return h, jnp.stack(auxes)
+
+    h, aux = jax.lax.scan(body, h, state)
+    logits = model.logits_from_hidden(model.norm(h))
+    return logits, jnp.mean(aux)
+
+
+def cross_entropy(logits: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
+    """Mean next-token NLL (nats) of ``targets [B, T]`` under ``logits [B, T, V]``."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# optimiser and step
+# ---------------------------------------------------------------------------------------------------------------------
+def learning_rate(step: int, total_steps: int, tc: TrainConfig) -> float:
+    """Linear warmup over ``tc.warmup_steps`` to ``tc.lr``, then cosine decay to ``tc.lr · tc.min_lr_ratio`` at
+    ``total_steps`` (``step`` counts from 0)."""
+    warmup = max(1, min(tc.warmup_steps, total_steps - 1))
+    if step < warmup:
+        return tc.lr * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
+    floor = tc.lr * tc.min_lr_ratio
+    return floor + (tc.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """Clip → Adam moments → decoupled weight decay on matrices (ndim ≥ 2: linears, experts, embeddings, conv; not
+    norms, ``A_log``, ``dt_bias``). The learning rate multiplies the result in the step (AdamW), so it can follow a
+    schedule whose length is only known after timing the first steps, without recompiling."""
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(
+        optax.clip_by_global_norm(tc.clip_norm),
+        optax.scale_by_adam(b1=tc.b1, b2=tc.b2),
+        optax.add_decayed_weights(tc.weight_decay, mask=decay_mask),
+    )
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, aux_loss_coef: float) -> Callable:
+    """``step(params, rest, opt_state, tokens [B, T+1], lr) → (params, opt_state, metrics)``, jitted with params
+    and optimiser state donated."""
+
+    def loss_fn(params, rest, tokens):
+        model = nnx.merge(graphdef, params, rest)
+        logits, aux = forward_train(model, tokens[:, :-1])
+        ce = cross_entropy(logits, tokens[:, 1:])
+        return ce + aux_loss_coef * aux, (ce, aux)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 2))
+    def step(params, rest, opt_state, tokens, lr):
+        (loss, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
+        return params, opt_state, {"loss": loss, "ce": ce, "aux": aux, "grad_norm": optax.tree.norm(grads)}
+
+    return step
+
+
+def batches(ids: np.ndarray, batch: int, seqlen: int, *, seed: int = 0) -> Iterator[np.ndarray]:
+    """Endless ``[batch, seqlen + 1]`` int32 windows at uniformly random offsets of ``ids`` (deterministic)."""
+    ids = np.asarray(ids, np.int32)
+    if ids.size < seqlen + 2:
+        raise ValueError(f"need more than {seqlen + 1} tokens to cut windows, got {ids.size}")
+    rng = np.random.default_rng(seed)
+    span = ids.size - seqlen - 1
+    while True:
+        starts = rng.integers(0, span + 1, size=batch)
+        yield np.stack([ids[s:s + seqlen + 1] for s in starts])
+
+
+def train(model: Qwen3_5MoeForCausalLM, data: Iterator[np.ndarray], tc: TrainConfig, *,
+          time_budget_s: float | None = None, probe_steps: int = 10, log_every: int = 50,
+          callback: Callable[[int, dict], None] | None = None) -> tuple[Qwen3_5MoeForCausalLM, list[dict]]:
+    """Train ``model`` in place and return it with the log (one dict per ``log_every`` steps, and the last).
+
+    Runs ``tc.steps`` steps, or fewer when ``time_budget_s`` is given: after the first (compiling) step and
+    ``probe_steps`` more, the step time is measured and the run is shortened to what fits the budget (counted from
+    the start of the call). The cosine schedule then spans the shortened run, which is fixed before warmup ends when
+    ``probe_steps < tc.warmup_steps`` (so the run equals a plain run of that many steps).
+    """
+    optimizer = make_optimizer(tc)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt_state = optimizer.init(params)
+    step_fn = make_train_step(graphdef, optimizer, tc.aux_loss_coef)
+    log: list[dict] = []
+    acc: dict[str, float] = {}
+    n_acc = 0
+    total = tc.steps
+    t_start = time.perf_counter()
+    t_compiled = None
+    i = 0
+    while i < total:
+        tokens = jnp.asarray(next(data), jnp.int32)
+        lr = learning_rate(i, total, tc)
+        params, opt_state, m = step_fn(params, rest, opt_state, tokens, jnp.float32(lr))
+        m = {k: float(v) for k, v in m.items()}
+        if not math.isfinite(m["loss"]):
+            raise FloatingPointError(f"step {i}: loss is {m['loss']}")
+        for k, v in m.items():
+            acc[k] = acc.get(k, 0.0) + v
+        n_acc += 1
+        i += 1
+        now = time.perf_counter()
+        if i == 1:
+            t_compiled = now
+        if time_budget_s is not None and i == 1 + probe_steps and total > i:
+            per_step = (now - t_compiled) / probe_steps
+            fits = i + int((time_budget_s - (now - t_start)) / per_step)
+            if fits < total:
+                total = max(i, fits)
+                if callback is not None:
+                    callback(i, {"event": "shortened", "steps": total, "step_s": round(per_step, 3)})
+        if i % log_every == 0 or i == total:
+            entry = {"step": i, **{k: v / n_acc for k, v in acc.items()}, "lr": lr,
+                     "elapsed_s": round(now - t_start, 1)}
+            log.append(entry)
+            if callback is not None:
+                callback(i, entry)
+            acc, n_acc = {}, 0
+    nnx.update(model, params, rest)
+    return model, log
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# evaluation
+# ---------------------------------------------------------------------------------------------------------------------
+# held-out perplexity is qjax.evaluation.evaluate's (also behind ``qjax eval ppl``), so training logs and the CLI agree
+mean_nll = evaluate.mean_nll
+perplexity = evaluate.perplexity
+
+
+def unigram_nll(train_ids, eval_ids, vocab_size: int) -> float:
+    """Mean NLL (nats) of ``eval_ids`` under the add-one-smoothed unigram distribution of ``train_ids`` (the
+    baseline a model must beat by a wide margin)."""
+    counts = np.bincount(np.asarray(train_ids).reshape(-1), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-np.mean(logp[np.asarray(eval_ids).reshape(-1)]))
+
+
+def count_params(model) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))

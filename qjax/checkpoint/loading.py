@@ -1,0 +1,470 @@
+"""Hugging Face checkpoint folder → qjax model. The only module that knows checkpoint key names and layouts.
+
+Accepted layouts (docs/model.md §6): text weights under ``model.language_model.`` (official composite checkpoints) or
+``model.`` (text-only); routed experts fused (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj``,
+no ``.weight``) or per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``), chosen per layer; ``mtp.*`` loads
+into the MTP head when present; ``model.visual.*`` is skipped with one log line.
+
+Tensors stream one at a time from memory-mapped files straight into pre-allocated device buffers (a donated
+in-place update per tensor), so the checkpoint is never held twice in host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from qjax.checkpoint.auto_round import open_autoround
+from qjax.checkpoint.layout import (
+    FLOAT,
+    SKIPPED_PREFIXES,
+    TEXT_PREFIXES,
+    LoadError,
+    Target,
+    expected_tensors,
+    expert_layouts,
+    mtp_layers,
+    per_expert_layout,
+    text_prefix,
+)
+from qjax.checkpoint.quant_plan import plan_quantization
+from qjax.checkpoint.view import Checkpoint, CheckpointView
+from qjax.kernels import dequantize
+from qjax.model.config import GenerationConfig, TextConfig
+from qjax.model.quant_spec import ModelQuant
+from qjax.model.qwen3_5_moe import Qwen3_5MoeForCausalLM, abstract_model
+from qjax.model.sharding import plan_mesh, set_plan, state_shardings
+from qjax.model.variables import variable_shapes
+from qjax.quant.config import QuantizationConfig
+from qjax.quant.packing import unpack_zero_point
+
+__all__ = ["FLOAT", "SKIPPED_PREFIXES", "TEXT_PREFIXES", "Checkpoint", "LoadError", "Target", "check_folder",
+           "checkpoint_dtype", "load_from_view", "load_model", "module_weight", "verify_folder", "verify_values",
+           "with_fp8_kv_cache"]
+
+logger = logging.getLogger("qjax")
+
+_FLOAT_DTYPES = {"F32": jnp.float32, "BF16": jnp.bfloat16, "F16": jnp.float16, "F64": jnp.float32}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# device writes
+# ---------------------------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, donate_argnums=0)
+def _write(buf: jnp.ndarray, value: jnp.ndarray, start: jnp.ndarray) -> jnp.ndarray:
+    value = value.reshape((1,) * (buf.ndim - value.ndim) + value.shape)
+    return jax.lax.dynamic_update_slice(buf, value.astype(buf.dtype), tuple(start[i] for i in range(buf.ndim)))
+
+
+def _host_cast(arr: np.ndarray, dtype) -> np.ndarray:
+    """Float tensors take the model's dtype; packed integers, float8 values and E8M0 bytes are kept bit for bit."""
+    dtype = np.dtype(dtype)
+    if arr.dtype == dtype:
+        return arr
+    if arr.dtype.kind in "iub" or dtype.kind in "iub" or "float8" in arr.dtype.name or "float8" in dtype.name:
+        if arr.dtype.itemsize != dtype.itemsize:
+            raise AssertionError(f"refusing to convert {arr.dtype} to {dtype}")
+        return arr.view(dtype)
+    return arr.astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# public
+# ---------------------------------------------------------------------------------------------------------------------
+def _default_dtype(ckpt: Checkpoint, cfg: TextConfig, prefix: str):
+    key = prefix + "embed_tokens.weight"
+    return checkpoint_dtype(ckpt.dtype(key) if key in ckpt.keys() else None, cfg)
+
+
+def checkpoint_dtype(embed_dtype: str | None, cfg: TextConfig):
+    """The model dtype a checkpoint implies: its embedding's float dtype, else config.json's ``dtype``."""
+    if embed_dtype in _FLOAT_DTYPES:
+        return _FLOAT_DTYPES[embed_dtype]
+    return {"bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(str(cfg.dtype), jnp.float32)
+
+
+def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = None,
+               mesh=None, verify: bool = True) -> Qwen3_5MoeForCausalLM:
+    """Load a HF ``qwen3_5_moe`` / ``qwen3_5_moe_text`` checkpoint folder (dense, compressed-tensors, or auto-round
+    ``quant_method: "auto-round"`` INT packing, converted to compressed-tensors' layout at load).
+
+    Args:
+      path: folder with ``config.json`` and ``model.safetensors`` or sharded files + ``model.safetensors.index.json``.
+      dtype: parameter/activation dtype (e.g. ``jnp.bfloat16``); default: the checkpoint's float dtype.
+        ``A_log`` and ``dt_bias`` stay float32 whatever is asked.
+      progress: a tqdm bar over the tensors on stderr; None = only for checkpoints over 256 MiB when stderr is a
+        terminal.
+      mesh: run on several devices: a dict of axis sizes (``{"data": 1, "tensor": 2, "expert": 4}``; missing axes
+        are 1), a ``"tensor=2,expert=4"`` string, or a :class:`jax.sharding.Mesh` with axes among
+        (data, tensor, expert). Each tensor goes straight to the devices that hold a part of it
+        (:mod:`qjax.model.sharding` has the layout). None: one device.
+      verify: check every tensor's values as it streams in (:func:`verify_values`: no NaN or infinity in float
+        tensors, no NaN code in float8 weights or E8M0 scales, no zero weight scale, K/V scales positive); one
+        more read of each tensor in host memory (benchmarks/RESULTS.md has the cost). False skips it.
+    Raises:
+      ConfigError, SafetensorsError, LoadError — each naming the file and the tensor or field at fault;
+      qjax.model.sharding.MeshError when the mesh does not divide the model's heads or experts.
+    """
+    path = os.fspath(path)
+    cfg = TextConfig.from_file(path)
+    plan = None
+    if mesh is not None:
+
+        plan = plan_mesh(mesh, cfg)
+    generation_config = GenerationConfig.from_folder(path)  # checked before minutes of loading, not after
+    ckpt = Checkpoint(path)
+    try:
+        qc, view = _quantization(path, ckpt)
+        model = load_from_view(cfg, qc, view, dtype, progress=progress, plan=plan, verify=verify)
+    finally:
+        ckpt.close()
+    model.generation_config = generation_config
+    return model
+
+
+def _quantization(path: str, ckpt: Checkpoint):
+    """(quantization config or None, the checkpoint view to read): auto-round folders (quant_method "auto-round",
+    GPTQ/AWQ packing) are read through a compressed-tensors view."""
+    autoround = open_autoround(path, ckpt)
+    if autoround is not None:
+        return autoround
+    return QuantizationConfig.from_config_json(path), ckpt
+
+
+def check_folder(path: str | os.PathLike) -> tuple[TextConfig, QuantizationConfig | None,
+                                                  dict[str, tuple[tuple[int, ...], str]]]:
+    """Every check :func:`load_model` makes before it reads tensor data — config.json and generation_config.json
+    fields, files confined to the folder, strict safetensors headers, no tensor stored twice, the quantization
+    config, every tensor's name, shape and dtype against the model — without reading the data (so not the values
+    :func:`verify_values` checks). Returns (config, quantization config, headers as the loader sees them: key →
+    (shape, safetensors dtype)); raises what load_model raises."""
+    return _check_folder(path, values=False)
+
+
+def verify_folder(path: str | os.PathLike) -> tuple[TextConfig, QuantizationConfig | None,
+                                                   dict[str, tuple[tuple[int, ...], str]]]:
+    """:func:`check_folder`, and the values of every tensor the model reads (:func:`verify_values`)."""
+    return _check_folder(path, values=True)
+
+
+def _check_folder(path, *, values: bool):
+    path = os.fspath(path)
+    cfg = TextConfig.from_file(path)
+    GenerationConfig.from_folder(path)
+    ckpt = Checkpoint(path)
+    try:
+        qc, view = _quantization(path, ckpt)
+        _, _, targets, _ = _structure(cfg, qc, view, None)
+        for key in _ordered(view, targets):
+            if values:
+                verify_values(view, key, view.get(key))
+            elif targets[key].transform == "weight_shape":  # two integers: as cheap as a header
+                _transform(view, key, targets[key], view.get(key))
+        return cfg, qc, {k: (tuple(view.shape(k)), view.dtype(k)) for k in view.keys()}
+    finally:
+        ckpt.close()
+
+
+def _structure(cfg: TextConfig, qc, ckpt: Checkpoint, dtype):
+    """The abstract model a checkpoint describes, its variables and every tensor's target, checked against the
+    checkpoint's names, shapes and dtypes: (model, leaves, targets, text prefix)."""
+    keys = ckpt.keys()
+    prefix = text_prefix(keys)
+    skipped = [k for k in keys if k.startswith(SKIPPED_PREFIXES)]
+    with_mtp = any(k.startswith("mtp.") for k in keys)
+    dtype = jnp.dtype(dtype) if dtype is not None else _default_dtype(ckpt, cfg, prefix)
+    quant = plan_quantization(cfg, qc, set(keys), ckpt.dtype, text_prefix=prefix,
+                              source=os.path.join(ckpt.folder, "config.json"))
+    model = abstract_model(cfg, dtype=dtype, with_mtp=with_mtp, quant=quant)
+    leaves = variable_shapes(model)
+    targets = expected_tensors(model, leaves, fused_experts=expert_layouts(keys), text_prefix=prefix)
+    _check(ckpt, targets, set(skipped))
+    return model, leaves, targets, skipped
+
+
+def load_from_view(cfg: TextConfig, qc, ckpt: CheckpointView, dtype, *, progress: bool | None = False,
+                   plan=None, verify: bool = False) -> Qwen3_5MoeForCausalLM:
+    """The model of ``cfg`` (quantized as ``qc`` says) with every tensor of ``ckpt`` in its variables."""
+    model, leaves, targets, skipped = _structure(cfg, qc, ckpt, dtype)
+    if skipped:
+        logger.warning("%s: skipping %d vision tensors (model.visual.*): qjax runs the text model",
+                       ckpt.folder, len(skipped))
+
+    shardings = None
+    if plan is not None:
+
+        set_plan(model, plan)
+        shardings = state_shardings(model, plan)
+    placer = _Placer(leaves, shardings)
+    for key in _progress(_ordered(ckpt, targets), ckpt, targets, progress):
+        t = targets[key]
+        arr = ckpt.get(key)  # once: a converting view (auto-round) hands each tensor out once
+        if verify:
+            verify_values(ckpt, key, arr)
+        arr = _transform(ckpt, key, t, arr)
+        if t.path is not None:
+            placer.put(t, _host_cast(arr, leaves[t.path].dtype))
+
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    for p, v in flat:
+        value = placer.array(tuple(p))
+        v.set_value(value) if hasattr(v, "set_value") else setattr(v, "value", value)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+class _Placer:
+    """Per-device buffers of every variable, filled tensor by tensor.
+
+    Without a mesh each variable is one buffer on the default device. On a mesh each device holds only its shard
+    of each variable, and receives only the part of each checkpoint tensor that falls inside that shard (a
+    replicated variable: the whole tensor on each device) — the full model never exists on one device, and the
+    host holds one (memory-mapped) tensor at a time.
+    """
+
+    def __init__(self, leaves: dict, shardings: dict | None):
+        self.leaves, self.shardings = leaves, shardings
+        self.buffers: dict[tuple, dict] = {}
+        self._index_maps: dict[tuple, dict] = {}
+
+    def _devices(self, path) -> dict:
+        """device → tuple of slices of the variable that device holds (one entry, None, without a mesh)."""
+        if self.shardings is None:
+            return {None: tuple(slice(0, n) for n in self.leaves[path].shape)}
+        if path not in self._index_maps:
+            shape = tuple(self.leaves[path].shape)
+            raw = self.shardings[path].addressable_devices_indices_map(shape)
+            self._index_maps[path] = {d: tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(idx, shape))
+                                      for d, idx in raw.items()}
+        return self._index_maps[path]
+
+    def put(self, t: Target, arr: np.ndarray) -> None:
+        leaf = self.leaves[t.path]
+        region = t.index(len(leaf.shape))
+        starts = [r if isinstance(r, int) else r.start for r in region]
+        sizes = [1 if isinstance(r, int) else r.stop - r.start for r in region]
+        arr = np.asarray(arr).reshape(sizes)
+        bufs = self.buffers.setdefault(t.path, {})
+        for device, held in self._devices(t.path).items():
+            lo = [max(a, h.start) for a, h in zip(starts, held)]
+            hi = [min(a + n, h.stop) for a, n, h in zip(starts, sizes, held)]
+            if any(l >= h for l, h in zip(lo, hi)):
+                continue
+            part = arr[tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, starts))]
+            shard_shape = tuple(h.stop - h.start for h in held)
+            on = (lambda x: jax.device_put(x)) if device is None else (lambda x, d=device: jax.device_put(x, d))
+            if part.shape == shard_shape:
+                bufs[device] = on(part)
+                continue
+            if device not in bufs:
+                bufs[device] = jnp.zeros(shard_shape, leaf.dtype, device=device)
+            offset = jnp.asarray([l - h.start for l, h in zip(lo, held)], jnp.int32)
+            bufs[device] = _write(bufs[device], on(part), offset)
+
+    def array(self, path: tuple) -> jax.Array:
+        bufs = self.buffers[path]
+        if self.shardings is None:
+            return bufs[None]
+        leaf = self.leaves[path]
+        return jax.make_array_from_single_device_arrays(tuple(leaf.shape), self.shardings[path],
+                                                        [bufs[d] for d in self._devices(path)])
+
+
+def _progress(keys: Iterator[str], ckpt: Checkpoint, targets: dict, progress: bool | None) -> Iterator[str]:
+    if progress is None:
+        progress = sys.stderr.isatty() and _folder_bytes(ckpt.folder) > (256 << 20)
+    if not progress:
+        return keys
+
+    n = sum(1 for k in ckpt.keys() if k in targets)
+    return iter(tqdm(keys, total=n, desc=f"loading {os.path.basename(os.path.normpath(ckpt.folder))}", unit="tensor",
+                     leave=False, file=sys.stderr))
+
+
+def _folder_bytes(folder) -> int:
+    try:
+        return sum(e.stat().st_size for e in os.scandir(folder) if e.name.endswith(".safetensors"))
+    except (OSError, TypeError):  # in-memory checkpoints have no folder
+        return 0
+
+
+def _transform(ckpt: Checkpoint, key: str, t: Target, arr: np.ndarray) -> np.ndarray | None:
+    """The on-disk tensor ``arr`` in the layout of its model variable (zero points unpacked, KV scales per head)."""
+    if t.transform is None:
+        return arr
+    if t.transform == "zero_point":
+        bits, rows = t.info
+        return unpack_zero_point(np.asarray(arr), bits, rows).astype(np.int8)
+    if t.transform == "kv_scale":
+        (heads,) = t.info
+        return np.broadcast_to(np.asarray(arr, np.float32).reshape(-1), (heads,)).copy()
+    if t.transform == "weight_shape":
+        if [int(v) for v in np.asarray(arr).reshape(-1)] != list(t.info):
+            raise LoadError(f"{ckpt.folder}: {key} [{ckpt.file_of(key)}] says {np.asarray(arr).tolist()}, but the "
+                            f"model needs {list(t.info)}")
+        return None
+    raise AssertionError(t.transform)
+
+
+# (bits, mask, value): a float is infinite or NaN exactly when its bits & mask == value (the exponent all ones;
+# float8 E4M3FN has no infinities and one NaN code per sign, S.1111.111). E8M0 scale bytes: 0xFF is NaN.
+_NON_FINITE = {"F64": (np.uint64, 0x7FF0000000000000, 0x7FF0000000000000),
+               "F32": (np.uint32, 0x7F800000, 0x7F800000), "F16": (np.uint16, 0x7C00, 0x7C00),
+               "BF16": (np.uint16, 0x7F80, 0x7F80), "F8_E4M3": (np.uint8, 0x7F, 0x7F)}
+
+
+_CHUNK = 1 << 18  # elements per piece of verify_values' pass
+
+
+def verify_values(ckpt: Checkpoint, key: str, arr: np.ndarray) -> None:
+    """Refuse a tensor whose values no producer writes and that would turn the model's output into NaN or garbage
+    without an error: a NaN or infinity in a float tensor, the NaN code of a float8 weight, a NaN (0xFF) E8M0 scale
+    byte, a zero weight scale, or a K / V scale that is not positive. ``arr``: the tensor ``key`` as read from ``ckpt``
+    (which names its file); one pass over it (bit tests, no float copy)."""
+    arr = np.asarray(arr)
+    dtype = ckpt.dtype(key)
+    where = f"{ckpt.folder}: {key} [{ckpt.file_of(key)}]"
+    if dtype in _NON_FINITE:
+        bits, mask, value = _NON_FINITE[dtype]
+        flat = arr.reshape(-1).view(bits)
+        # in cache-sized pieces: one pass over the bytes, no tensor-sized temporaries
+        if any(((flat[i:i + _CHUNK] & bits(mask)) == bits(value)).any() for i in range(0, flat.size, _CHUNK)):
+            bad = (arr.view(bits) & bits(mask)) == bits(value)
+            what = "NaN codes" if dtype == "F8_E4M3" else "NaN or infinite values"
+            raise LoadError(f"{where}: {int(bad.sum())} {what} (first at index {_first(bad)}); the file is damaged")
+    if key.endswith(".weight_scale") and dtype == "U8":  # E8M0 exponents
+        bad = arr == 0xFF
+        if bad.any():
+            raise LoadError(f"{where}: {int(bad.sum())} E8M0 scale bytes are 0xFF (NaN) (first at index "
+                            f"{_first(bad)}); the file is damaged")
+    elif key.endswith(".weight_scale") and dtype in FLOAT:
+        # auto-round's symmetric INT scales are signed (the sign follows the group's larger side); no producer
+        # writes a zero scale (compressed-tensors and auto-round floor the magnitude): a zero zeroes its group
+        bad = np.asarray(arr, np.float32) == 0
+        if bad.any():
+            raise LoadError(f"{where}: {int(bad.sum())} scales are zero (first at index {_first(bad)}); the file "
+                            "is damaged")
+    elif key.endswith((".k_scale", ".v_scale")):
+        bad = ~(np.asarray(arr, np.float32) > 0)  # K and V are divided by them before the FP8 cast
+        if bad.any():
+            i = _first(bad)
+            raise LoadError(f"{where}: {int(bad.sum())} K/V scales are zero or negative (first: {arr[i]} at index "
+                            f"{i}); they must be positive")
+
+
+def _first(mask: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(mask)), mask.shape))
+
+
+def _ordered(ckpt: Checkpoint, targets: dict[str, Target]) -> Iterator[str]:
+    """Keys file by file, in on-disk order, so reads walk each mmap sequentially."""
+    return (k for k in ckpt.keys() if k in targets)
+
+
+def _check(ckpt: Checkpoint, targets: dict[str, Target], skipped: set[str]) -> None:
+    present = set(ckpt.keys())
+    missing = sorted(set(targets) - present)
+    unexpected = sorted(present - set(targets) - skipped)
+
+    def shape_ok(k):
+        t = targets[k]
+        if t.transform == "kv_scale":
+            return ckpt.shape(k) in ((1,), (t.info[0],))
+        return ckpt.shape(k) == t.shape
+
+    misshaped = [k for k in sorted(present & set(targets)) if not shape_ok(k)]
+    wrong_kind = [k for k in sorted(present & set(targets)) if ckpt.dtype(k) not in targets[k].dtypes]
+    if not (missing or unexpected or misshaped or wrong_kind):
+        return
+    lines = [f"checkpoint {ckpt.folder} does not match the model its config.json describes:"]
+    if missing:
+        lines.append(f"  missing ({len(missing)}): " + ", ".join(missing))
+    if unexpected:
+        lines.append(f"  unexpected ({len(unexpected)}): " +
+                     ", ".join(f"{k} [{ckpt.file_of(k)}]" for k in unexpected))
+    for k in misshaped:
+        want = list(targets[k].shape) if targets[k].transform != "kv_scale" else f"[1] or [{targets[k].info[0]}]"
+        lines.append(f"  wrong shape: {k} [{ckpt.file_of(k)}] is {list(ckpt.shape(k))}, expected {want}")
+    for k in wrong_kind:
+        what = "a float tensor" if targets[k].dtypes == FLOAT else " or ".join(targets[k].dtypes)
+        lines.append(f"  wrong dtype: {k} [{ckpt.file_of(k)}] is {ckpt.dtype(k)}, expected {what}"
+                     + (" (quantized checkpoints need a quantization_config)" if targets[k].dtypes == FLOAT else ""))
+    raise LoadError("\n".join(lines))
+
+
+def module_weight(model, name: str, *, text_prefix: str = "model.") -> np.ndarray:
+    """The float32 ``[out, in]`` weight of the linear module ``name`` (checkpoint naming, e.g.
+    ``model.layers.3.mlp.experts.7.down_proj``): dense weights as stored, quantized ones dequantized.
+
+    For research and tests (compare a module against another implementation); not used on the forward path.
+    """
+
+    leaves = variable_shapes(model)
+    targets = expected_tensors(model, leaves, fused_experts=per_expert_layout(model.config, prefix=text_prefix, mtp_layers=mtp_layers(model)),
+                               text_prefix=text_prefix)
+    values = {tuple(p): (v.get_value() if hasattr(v, "get_value") else v.value)
+              for p, v in nnx.to_flat_state(nnx.state(model))}
+    if f"{name}.weight" in targets and targets[f"{name}.weight"].dtypes != ("F8_E4M3",):
+        t = targets[f"{name}.weight"]
+        arr = values[t.path]
+        return np.asarray(arr[t.index(arr.ndim)], np.float32)
+    key = f"{name}.weight_packed" if f"{name}.weight_packed" in targets else f"{name}.weight"
+    if key not in targets:
+        raise KeyError(f"no linear module named {name!r} in this model")
+    t = targets[key]
+    module = model
+    for p in t.path[:-1]:
+        module = module[p] if isinstance(p, int) else getattr(module, p)
+    meta = module.meta
+    packed, scale, zero = module.arrays()
+    lead = tuple(t.start[:-2])
+    rows = slice(t.start[-2], t.start[-2] + t.shape[0])
+    pick = lambda a: None if a is None else a[lead]
+    p_, s_, z_ = pick(packed)[rows], pick(scale), pick(zero)
+    if meta.strategy != "tensor":
+        s_ = s_[rows]
+        z_ = None if z_ is None else z_[rows]
+    sub = dataclasses.replace(meta, out_features=t.shape[0])
+    return np.asarray(dequantize(p_, s_, z_, sub, jnp.float32))
+
+
+def with_fp8_kv_cache(model: Qwen3_5MoeForCausalLM) -> Qwen3_5MoeForCausalLM:
+    """The same model with an FP8 (E4M3) K/V cache whose scales are 1.0 per kv head — what vLLM does for
+    ``--kv-cache-dtype fp8`` on a checkpoint without static KV scales. A model that already has its checkpoint's
+    scales is returned unchanged (they are kept)."""
+    if model.kv_fp8:
+        return model
+
+    quant = model.quant if model.quant is not None else ModelQuant(layers=())
+    new = abstract_model(model.config, dtype=model.dtype, with_mtp=model.mtp is not None,
+                         quant=dataclasses.replace(quant, kv_cache="attn_head"))
+    old = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model))}
+    shardings = None
+    if model.mesh_plan is not None:
+
+        set_plan(new, model.mesh_plan)
+        shardings = state_shardings(new, model.mesh_plan)
+    graphdef, state = nnx.split(new)
+    flat = nnx.to_flat_state(state)
+    for p, v in flat:
+        p = tuple(p)
+        if p in old:
+            value = old[p].get_value() if hasattr(old[p], "get_value") else old[p].value
+        else:  # k_scale / v_scale: the unit scales
+            value = jnp.ones(v.shape, v.dtype)
+            if shardings is not None:
+                value = jax.device_put(value, shardings[p])
+        v.set_value(value) if hasattr(v, "set_value") else setattr(v, "value", value)
+    out = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    out.generation_config = getattr(model, "generation_config", None)
+    return out

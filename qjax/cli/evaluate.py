@@ -1,0 +1,154 @@
+"""``qjax eval ppl``, ``qjax eval fidelity`` and ``qjax compare``: flags → :mod:`qjax.evaluation.evaluate` / :mod:`qjax.evaluation.compare`.
+
+Bad input (a missing file, empty data, too little text for one window, a folder without tokenizer files, models with
+different vocabularies) ends in one ``error: ...`` line on stderr and exit status 2 (``qjax.cli.main`` prints the
+ValueError subclasses raised here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+from qjax.evaluation.evaluate import PerplexityReport
+
+PPL_HELP = ("Perplexity of a text file under a checkpoint, tokenized with the folder's tokenizer. Method: "
+            + PerplexityReport.method + ".")
+FIDELITY_HELP = (
+    "Fidelity of a (quantized) model to its reference, as quantized model cards report it: the reference's greedy "
+    "answer to each prompt, then under the model and under the reference the perplexity of those answer tokens "
+    "given the prompt (teacher forcing) and the next-token top-1 agreement with the reference's greedy tokens.")
+COMPARE_HELP = (
+    "Per-block numerics diff against transformers: the same token ids through transformers' Qwen3_5MoeForCausalLM "
+    "(float32, eager attention, CPU; compressed-tensors folders are decompressed by the compressed-tensors package) "
+    "and qjax; error of the embeddings, each decoder block's output, the final norm and the logits. The transformers "
+    "side needs float32 host memory for the whole model.")
+
+
+def _dtype(name):
+    import jax.numpy as jnp
+
+    return jnp.dtype(name) if name else None
+
+
+def _emit(report, a, **kw) -> None:
+    print(json.dumps(report.to_dict(**kw), indent=1) if a.json else report.format(**kw))
+
+
+def cmd_ppl(a) -> int:
+    from qjax.checkpoint.hub import default_model_dir
+    from qjax.evaluation.evaluate import EvalError, perplexity_of_file
+
+    model = a.model or default_model_dir()
+    data = a.data
+    if data is None:
+        data = os.path.join(model, "heldout.txt")
+        if not os.path.isfile(data):
+            raise EvalError(f"--data is required ({model} has no heldout.txt to default to)")
+    report = perplexity_of_file(model, data, seqlen=a.seqlen, batch=a.batch_size, max_tokens=a.max_tokens,
+                                dtype=_dtype(a.dtype), progress=not a.quiet)
+    _emit(report, a)
+    return 0
+
+
+def cmd_fidelity(a) -> int:
+    from qjax.evaluation.evaluate import fidelity, read_prompts
+
+    prompts = read_prompts(a.prompts)
+    report = fidelity(a.model, a.reference, prompts, max_new_tokens=a.max_new_tokens, chat=a.chat,
+                      enable_thinking=a.thinking, batch=a.batch_size, dtype=_dtype(a.dtype), progress=not a.quiet)
+    _emit(report, a)
+    return 0
+
+
+def cmd_compare(a) -> int:
+    from qjax.checkpoint.hub import default_model_dir
+    from qjax.evaluation.compare import CompareError, compare_folder
+    from qjax.model.config import TextConfig
+
+    model = a.model or default_model_dir()
+    given = [n for n, v in (("--prompt", a.prompt), ("--ids", a.ids), ("--seqlen", a.seqlen)) if v is not None]
+    if len(given) > 1:
+        raise CompareError(f"give one input: --prompt, --ids or --seqlen (got {' and '.join(given)})")
+    if a.ids is not None:
+        try:
+            ids = np.array([[int(x) for x in a.ids.replace(",", " ").split()]], np.int64)
+        except ValueError:
+            raise CompareError(f"--ids {a.ids!r}: expected integers separated by spaces or commas") from None
+    elif a.prompt is not None:
+        from qjax.evaluation.evaluate import load_tokenizer
+
+        ids = np.array([load_tokenizer(model).encode(a.prompt)], np.int64)
+    else:
+        if a.seqlen is not None and a.seqlen < 1:
+            raise CompareError(f"--seqlen must be ≥ 1, got {a.seqlen}")
+        vocab = TextConfig.from_file(model).vocab_size
+        ids = np.random.default_rng(a.seed).integers(0, vocab, (1, a.seqlen or 80))
+    if ids.size == 0:
+        raise CompareError("the input has no tokens")
+    report = compare_folder(model, ids, dtype=a.dtype, quiet=a.quiet)
+    _emit(report, a, tol=a.tol)
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``eval`` (``ppl``, ``fidelity``) and ``compare`` to the ``qjax`` command line."""
+    ev = subparsers.add_parser("eval", help="perplexity of a text, fidelity of a quantized model to its reference",
+                               description="Evaluate checkpoints: `qjax eval ppl` and `qjax eval fidelity`.")
+    evsub = ev.add_subparsers(dest="eval_command", required=True)
+
+    p = evsub.add_parser("ppl", help="perplexity of a text file", description=PPL_HELP)
+    p.add_argument("--model", default=None, help="checkpoint folder with tokenizer files (default: the built-in model)")
+    p.add_argument("--data", default=None,
+                   help="text file: .txt (the whole file), .jsonl ('text' per line) or .json (list of strings or "
+                        "objects with 'text'); documents are joined by a blank line (default: the model folder's "
+                        "heldout.txt)")
+    p.add_argument("--seqlen", type=int, default=2048,
+                   help="model inputs per window (default 2048); data with fewer than seqlen + 1 tokens is an error")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward call (default 8)")
+    p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of the data")
+    _common(p)
+    p.set_defaults(func=cmd_ppl)
+
+    f = evsub.add_parser("fidelity", help="fidelity of a quantized model to its reference", description=FIDELITY_HELP)
+    f.add_argument("--model", required=True, help="the checkpoint to evaluate (e.g. a quantized build)")
+    f.add_argument("--reference", required=True, help="the reference checkpoint (e.g. the BF16 original); its "
+                   "tokenizer renders the prompts and its greedy answers are the text scored")
+    f.add_argument("--prompts", required=True,
+                   help="prompts file: .txt (one per line), .jsonl ('prompt' per line) or .json list")
+    f.add_argument("--max-new-tokens", type=int, default=128, help="longest reference answer (default 128)")
+    f.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="render each prompt as a user message with the reference's chat template (default: on when "
+                        "the folder has a chat template)")
+    f.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="enable_thinking passed to the chat template (default: the template's own default)")
+    f.add_argument("--batch-size", type=int, default=8, help="prompts per batch (default 8)")
+    _common(f)
+    f.set_defaults(func=cmd_fidelity)
+
+    c = subparsers.add_parser("compare", help="per-block numerics diff against transformers", description=COMPARE_HELP)
+    c.add_argument("--model", default=None, help="checkpoint folder (default: the built-in model)")
+    c.add_argument("--prompt", default=None, help="input text (tokenized with the folder's tokenizer)")
+    c.add_argument("--ids", default=None, help="input token ids ('1 2 3')")
+    c.add_argument("--seqlen", type=int, default=None,
+                   help="without --prompt/--ids: this many seeded random token ids (default 80, which crosses the "
+                        "64-token chunk of the delta rule)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the random ids")
+    c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="qjax's dtype (transformers always runs float32; default float32)")
+    c.add_argument("--tol", type=float, default=1e-4,
+                   help="a block diverges when its max abs error exceeds this fraction of its max |value| "
+                        "(default 1e-4)")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument("--quiet", action="store_true", help="no loading bars or notices from transformers")
+    c.set_defaults(func=cmd_compare)
+
+
+def _common(p) -> None:
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="parameter/activation dtype (default: the checkpoint's)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")

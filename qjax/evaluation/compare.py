@@ -1,0 +1,202 @@
+"""Per-block numerics diff of qjax against transformers (research tool behind ``qjax compare``).
+
+    hf = load_transformers(folder)                                  # float32, eager attention, CPU
+    report = compare_blocks(qjax.load_model(folder, dtype=jnp.float32), hf, ids)
+    print(report.format(tol=1e-4))
+
+The same ids go through both; each decoder block's output (the residual stream after the block, before the final
+norm), the embeddings, the final norm's output and the logits are compared. transformers' ``output_hidden_states``
+replaces its last entry with the post-final-norm state, so its hidden states are read with forward hooks on
+``model.model.embed_tokens``, ``model.model.layers[i]`` and ``model.model.norm`` instead; qjax's come from
+``forward(output_hidden_states=True)`` (embeddings + every block, pre-norm) and ``ForwardOutput.hidden`` (post-norm).
+
+Errors per row: max |Δ|, mean |Δ|, and max |Δ| / max |ref| (relative to the reference tensor's scale, which grows
+through the residual stream). The first diverging block is the first decoder block whose relative error exceeds the
+tolerance (default 1e-4: qjax matches transformers in float32 to ≈1e-6 relative per block on random models; a wrong
+weight or op moves a block by 1e-2 or more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import qjax
+from qjax.model.config import TextConfig, read_config
+
+DEFAULT_TOL = 1e-4
+
+
+class CompareError(ValueError):
+    """The folder cannot be compared; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffRow:
+    name: str  # "embed", "block 3", "final norm", "logits"
+    kind: str  # layer type for blocks, "" otherwise
+    max_abs: float
+    mean_abs: float
+    max_rel: float  # max |Δ| / max |ref|
+    block: int | None = None
+
+
+def diff(got: np.ndarray, want: np.ndarray, name: str, kind: str = "", block: int | None = None) -> DiffRow:
+    """Error statistics of ``got`` against the reference ``want`` (same shape), in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        raise CompareError(f"{name}: qjax shape {got.shape} differs from transformers' {want.shape}")
+    d = np.abs(got - want)
+    scale = float(np.abs(want).max()) or 1.0
+    return DiffRow(name=name, kind=kind, max_abs=float(d.max()), mean_abs=float(d.mean()),
+                   max_rel=float(d.max()) / scale, block=block)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareReport:
+    rows: list[DiffRow]  # embed, blocks 0..L-1, final norm, logits
+    top1_agreement: float  # fraction of positions whose logits argmax agree
+    tokens: int
+    qjax_dtype: str
+
+    def first_diverging(self, tol: float = DEFAULT_TOL) -> int | None:
+        """Index of the first decoder block whose max relative error exceeds ``tol`` (None: none does)."""
+        return next((r.block for r in self.rows if r.block is not None and r.max_rel > tol), None)
+
+    def to_dict(self, tol: float = DEFAULT_TOL) -> dict:
+        return {"rows": [dataclasses.asdict(r) for r in self.rows], "top1_agreement": self.top1_agreement,
+                "tokens": self.tokens, "qjax_dtype": self.qjax_dtype, "tol": tol,
+                "first_diverging_block": self.first_diverging(tol)}
+
+    def format(self, tol: float = DEFAULT_TOL) -> str:
+        lines = [f"qjax ({self.qjax_dtype}) vs transformers (float32, eager attention) on {self.tokens} tokens",
+                 f"{'':12s} {'layer type':18s} {'max abs err':>12s} {'mean abs err':>12s} {'max rel err':>12s}"]
+        for r in self.rows:
+            lines.append(f"{r.name:12s} {r.kind:18s} {r.max_abs:12.3e} {r.mean_abs:12.3e} {r.max_rel:12.3e}")
+        lines.append(f"logits top-1 agreement: {100 * self.top1_agreement:.2f} % of {self.tokens} positions")
+        first = self.first_diverging(tol)
+        lines.append("first diverging block: " + (
+            "none" if first is None else f"{first} ({self.rows[first + 1].kind})") +
+            f" (tolerance {tol:g} of the block output's max |value|)")
+        return "\n".join(lines)
+
+
+def load_transformers(folder: str, *, quiet: bool = False):
+    """transformers' ``Qwen3_5MoeForCausalLM`` of ``folder`` in float32 with eager attention, on CPU.
+
+    Dense (BF16/F16/F32) folders load directly; compressed-tensors folders load through the compressed-tensors
+    package, which decompresses the packed weights to float. ``quiet``: no loading bars or notices.
+    """
+    try:
+        import torch
+        import transformers
+        from transformers import Qwen3_5MoeForCausalLM
+    except ImportError as e:
+        raise CompareError(f"qjax compare runs the model in transformers, which is not installed ({e}); install "
+                           "torch and transformers (pip install -e '.[test]')") from None
+    # compressed-tensors warns "Could not match <per-expert module>" for configs that name experts one by one:
+    # transformers fuses them while decompressing, and the tests check the decompressed model against qjax's
+    logging.getLogger("compressed_tensors").setLevel(logging.ERROR)
+    if quiet:
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    _, raw = read_config(folder)
+    text = raw.get("text_config")
+    qc = raw.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
+    try:
+        model, info = Qwen3_5MoeForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
+                                                            output_loading_info=True)
+    except Exception as e:  # transformers raises many types; the message is what the user needs
+        method = f" ({qc.get('quant_method')} quantization)" if isinstance(qc, dict) else ""
+        report = " (run without --quiet for transformers' load report)" if quiet else ""
+        raise CompareError(
+            f"--model {folder}{method}: transformers could not load it{report}: {type(e).__name__}: "
+            f"{str(e)[:300]}. compare runs the reference in transformers, so it takes what transformers can load: "
+            "BF16/FP16/FP32 folders, and compressed-tensors folders its decompression handles (INT4 pack-quantized "
+            "was checked; transformers 5.24 failed to decompress INT2 g64 experts)") from None
+    # a tensor transformers did not find would be left at its random init: the diff would blame qjax for it
+    missing = [k for k in info.get("missing_keys", ()) if not k.startswith("mtp.")]
+    if missing or info.get("mismatched_keys"):
+        raise CompareError(f"--model {folder}: transformers left weights at their random init (missing "
+                           f"{sorted(missing)[:5]}, mismatched {list(info.get('mismatched_keys', ()))[:5]})")
+    return model.eval()
+
+
+def _transformers_states(hf, ids: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """(embeddings + each block's output ``[L + 1]`` of ``[B, T, H]``, final-norm output, logits) via hooks."""
+    import torch  # optional (the test extras): imported where used, so qjax runs without it
+
+    seen: dict[str, np.ndarray] = {}
+
+    def keep(name):
+        def hook(_module, _inputs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            seen[name] = out.detach().float().numpy()
+        return hook
+
+    inner = hf.model
+    handles = [inner.embed_tokens.register_forward_hook(keep("embed")),
+               inner.norm.register_forward_hook(keep("norm"))]
+    handles += [layer.register_forward_hook(keep(f"layer{i}")) for i, layer in enumerate(inner.layers)]
+    try:
+        with torch.no_grad():
+            logits = hf(input_ids=torch.as_tensor(np.asarray(ids), dtype=torch.long), use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+    states = [seen["embed"]] + [seen[f"layer{i}"] for i in range(len(inner.layers))]
+    return states, seen["norm"], logits.float().numpy()
+
+
+def _qjax_states(model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(``[L + 1, B, T, H]`` embeddings + block outputs, final-norm output, logits) from one jitted forward."""
+    graphdef, state = nnx.split(model)
+    hs, h, logits = _jit_states(graphdef, state, jnp.asarray(ids, jnp.int32))
+    return np.asarray(hs, np.float32), np.asarray(h, np.float32), np.asarray(logits, np.float32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_states(graphdef, state, ids):
+    out = nnx.merge(graphdef, state).forward(ids, output_hidden_states=True)
+    return out.hidden_states, out.hidden, out.logits
+
+
+def compare_blocks(model, hf, ids) -> CompareReport:
+    """Run ``ids [B, T]`` through the qjax ``model`` and the transformers ``hf`` model and diff every block.
+
+    Returns:
+      a :class:`CompareReport` (rows: embed, block 0..L-1, final norm, logits).
+    """
+    ids = np.asarray(ids, np.int64)
+    if ids.ndim == 1:
+        ids = ids[None]
+    vocab = model.config.vocab_size
+    if ids.size == 0 or ids.min() < 0 or ids.max() >= vocab:
+        raise CompareError(f"token ids must be non-empty and in [0, {vocab})")
+    want_states, want_norm, want_logits = _transformers_states(hf, ids)
+    got_states, got_norm, got_logits = _qjax_states(model, ids)
+    n_layers = model.config.num_hidden_layers
+    if len(want_states) != n_layers + 1:
+        raise CompareError(f"transformers ran {len(want_states) - 1} decoder blocks, qjax {n_layers}")
+    rows = [diff(got_states[0], want_states[0], "embed")]
+    for i in range(n_layers):
+        rows.append(diff(got_states[i + 1], want_states[i + 1], f"block {i}", model.config.layer_types[i], block=i))
+    rows.append(diff(got_norm, want_norm, "final norm"))
+    rows.append(diff(got_logits, want_logits, "logits"))
+    agree = float(np.mean(np.argmax(got_logits, -1) == np.argmax(want_logits, -1)))
+    return CompareReport(rows=rows, top1_agreement=agree, tokens=int(ids.size), qjax_dtype=str(model.dtype))
+
+
+def compare_folder(folder: str, ids, *, dtype=None, quiet: bool = False) -> CompareReport:
+    """:func:`compare_blocks` for a checkpoint folder: qjax loads it in ``dtype`` (default float32), transformers in
+    float32."""
+    TextConfig.from_file(folder)  # a wrong --model fails here, naming its config.json
+    hf = load_transformers(folder, quiet=quiet)
+    model = qjax.load_model(folder, dtype=jnp.dtype(dtype) if dtype else jnp.float32)
+    return compare_blocks(model, hf, ids)

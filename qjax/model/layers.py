@@ -1,0 +1,121 @@
+"""Small building blocks: linear layers, the two RMSNorms, the SwiGLU MLP.
+
+Weights keep Hugging Face's ``[out, in]`` layout so checkpoint tensors (and later their packed quantized forms, which
+pack along ``in``) map one to one. Matmuls accumulate in float32 and return the activation dtype, as torch's CPU and
+cuBLAS bf16 GEMMs do.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qjax.kernels import QuantMeta, dequantize, matmul, qmatmul
+from qjax.model.quant_layers import init_packed, packed_arrays
+
+
+def init_normal(rngs: nnx.Rngs | None, shape, std: float, dtype) -> jnp.ndarray:
+    """``N(0, std²)`` initial values drawn in float32 (zeros without ``rngs``: the loader overwrites them)."""
+    if rngs is None:
+        return jnp.zeros(shape, dtype)
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """Bias-free linear layer ``[out, in]`` (HF ``nn.Linear``), its weight dense or packed.
+
+    Dense: ``weight [out, in]`` (an ``nnx.Param``). Packed (``meta`` given): ``weight_packed`` / ``weight_scale`` /
+    ``weight_zero_point`` as compressed-tensors stores them (:func:`qjax.model.quant_layers.init_packed`). Which kernel
+    runs follows from the weight: :func:`qjax.kernels.matmul` or :func:`qjax.kernels.qmatmul`. On a mesh whose
+    ``tensor`` axis splits a packed weight (``tp_split`` "col" or "row", set by :func:`qjax.model.sharding.set_plan`),
+    the kernel runs per device on its own shard: a Pallas call under plain GSPMD would see the gathered weight.
+    """
+
+    def __init__(self, d_in: int, d_out: int, *, dtype, std: float = 0.02, rngs: nnx.Rngs | None = None,
+                 meta: QuantMeta | None = None):
+        if meta is None:
+            self.meta = None
+            self.weight = nnx.Param(init_normal(rngs, (d_out, d_in), std, dtype))
+            return
+        if (meta.out_features, meta.in_features) != (d_out, d_in):
+            raise ValueError(f"quantized shape {[meta.out_features, meta.in_features]} != {[d_out, d_in]}")
+        init_packed(self, meta)
+        self.mesh_plan = None
+        self.tp_split = None
+
+    def arrays(self) -> tuple:
+        """A packed weight's ``(packed, scale, zero or None)``."""
+        return packed_arrays(self)
+
+    def __call__(self, x: jnp.ndarray, layer=None) -> jnp.ndarray:
+        """``x [..., in]`` → ``[..., out]`` in x's dtype (fp32 accumulation). ``layer``: the weight is the layer
+        scan's ``[L, out, in]`` stack and this is layer ``layer``."""
+        if self.meta is None:
+            return matmul(x, self.weight[...], layer=layer)
+        if self.tp_split is not None:
+            return self.mesh_plan.qmatmul(x, self.arrays(), self.meta, self.tp_split)
+        return qmatmul(x, *self.arrays(), self.meta, layer=layer)
+
+    def float32(self, x: jnp.ndarray) -> jnp.ndarray:
+        """``x @ Wᵀ`` returned in float32 (the lm_head's logits): the same fp32 accumulation, without the rounding
+        to x's dtype. A packed weight is dequantized first (the lm_head is read once per call either way)."""
+        w = self.weight[...].astype(x.dtype) if self.meta is None else dequantize(*self.arrays(), self.meta, x.dtype)
+        precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """Zero-centred RMSNorm: ``cast(rms(f32 x) · (1 + f32 w))`` — the weight is an offset initialised to 0."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        # multiply in fp32 before the cast (not Llama's cast-then-multiply)
+        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """GDN output norm: plain weight (initialised to 1), normalise, then gate with ``silu(z)``.
+
+    The order of casts follows transformers: normalise in fp32, cast, scale by w in the model dtype, gate in fp32.
+    """
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jnp.ndarray, z: jnp.ndarray) -> jnp.ndarray:
+        dt = x.dtype
+        xf = x.astype(jnp.float32)
+        n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(dt)
+        n = self.weight[...].astype(dt) * n
+        return (n.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) · up(x))`` (the shared expert)."""
+
+    def __init__(self, hidden: int, intermediate: int, *, dtype, std: float, rngs: nnx.Rngs | None,
+                 quant: dict | None = None, prefix: str = ""):
+        lin = lambda name, i, o: make_linear(prefix + name, i, o, quant or {}, dtype=dtype, std=std, rngs=rngs)
+        self.gate_proj = lin("gate_proj", hidden, intermediate)
+        self.up_proj = lin("up_proj", hidden, intermediate)
+        self.down_proj = lin("down_proj", intermediate, hidden)
+
+    def __call__(self, x: jnp.ndarray, layer=None) -> jnp.ndarray:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, layer)) * self.up_proj(x, layer), layer)
+
+
+def make_linear(name: str, d_in: int, d_out: int, quant: dict, *, dtype, std: float, rngs: nnx.Rngs | None):
+    """The :class:`Linear` ``name`` (relative to its layer), packed when ``quant`` (relative name → QuantMeta) lists
+    it."""
+    try:
+        return Linear(d_in, d_out, dtype=dtype, std=std, rngs=rngs, meta=quant.get(name))
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None

@@ -1,0 +1,86 @@
+"""Sparse MoE: softmax-then-top-k routing with unconditional renormalisation, SwiGLU experts stacked ``[E, …]``.
+
+The routed-expert computation itself lives in :mod:`qjax.kernels` (plain-JAX reference and Pallas kernels), for
+unquantized experts as for packed ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qjax.kernels import QuantMeta, moe_experts
+from qjax.model.layers import MLP, Linear, init_normal, make_linear
+from qjax.model.quant_layers import PackedWeight, expert_operand
+from qjax.model.sharding import expert_parallel
+
+
+def route(router_logits: jnp.ndarray, top_k: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Softmax over all experts in fp32, top-k, renormalise (no ``norm_topk_prob`` flag: always on).
+
+    Args:
+      router_logits: ``[N, E]`` in the model dtype.
+    Returns:
+      weights ``[N, k]`` in the model dtype, expert indices ``[N, k]`` int32.
+    """
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(probs, top_k)
+    w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w.astype(router_logits.dtype), idx.astype(jnp.int32)
+
+
+class Experts(nnx.Module):
+    """Stacked SwiGLU experts: ``gate_up_proj [E, 2I, H]`` (rows ``:I`` gate, ``I:`` up), ``down_proj [E, H, I]``.
+
+    Each side is a dense ``nnx.Param`` stack or, when its QuantMeta is given, a packed one
+    (:class:`qjax.model.quant_layers.PackedWeight`). One side may stay dense while the other is packed: auto-round and
+    llm-compressor leave a projection in float when its input dimension is not a multiple of the group size (W4G128
+    on a model with I = 64 quantizes gate/up but not down). Both sides go through one kernel entry point, a dense one
+    as ``fmt="dense"``.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, *, dtype, std: float, rngs: nnx.Rngs | None,
+                 gate_up: QuantMeta | None = None, down: QuantMeta | None = None):
+        self.gate_up_proj = (PackedWeight(gate_up, lead=(num_experts,)) if gate_up is not None
+                             else nnx.Param(init_normal(rngs, (num_experts, 2 * inter, hidden), std, dtype)))
+        self.down_proj = (PackedWeight(down, lead=(num_experts,)) if down is not None
+                          else nnx.Param(init_normal(rngs, (num_experts, hidden, inter), std, dtype)))
+
+    def __call__(self, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndarray, layer=None) -> jnp.ndarray:
+        """``layer``: the weights carry a leading layer-stack axis ``[L, E, …]`` and this is layer ``layer`` (read in
+        place by the kernels; see :func:`qjax.kernels.moe_experts`)."""
+        return moe_experts(x, idx, weights, expert_operand(self.gate_up_proj), expert_operand(self.down_proj),
+                           layer=layer)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router → routed experts, plus a sigmoid-gated shared expert on every token (docs/model.md §2.6)."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None):
+
+        h, std, quant = cfg.hidden_size, cfg.initializer_range, quant or {}
+        self.top_k = cfg.num_experts_per_tok
+        self.mesh_plan = None  # a qjax.model.sharding.MeshPlan once the model is placed on a mesh
+        self.gate = Linear(h, cfg.num_experts, dtype=dtype, std=std, rngs=rngs)  # router: never quantized
+        self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size, dtype=dtype, std=std, rngs=rngs,
+                               gate_up=quant.get("mlp.experts.gate_up_proj"), down=quant.get("mlp.experts.down_proj"))
+        self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, dtype=dtype, std=std, rngs=rngs,
+                                 quant=quant, prefix="mlp.shared_expert.")
+        self.shared_expert_gate = make_linear("mlp.shared_expert_gate", h, 1, quant, dtype=dtype, std=std, rngs=rngs)
+
+    def __call__(self, x: jnp.ndarray, layer=None) -> jnp.ndarray:
+        """``x [B, T, H]`` → ``[B, T, H]``; ``layer``: see :meth:`Experts.__call__`."""
+        b, t, h = x.shape
+        xf = x.reshape(b * t, h)
+        with jax.named_scope("router"):
+            weights, idx = route(self.gate(xf, layer), self.top_k)
+        with jax.named_scope("experts"):
+            if self.mesh_plan is not None:
+
+                routed = expert_parallel(self.experts, xf, idx, weights, self.mesh_plan)
+            else:
+                routed = self.experts(xf, idx, weights) if layer is None else self.experts(xf, idx, weights, layer)
+        with jax.named_scope("shared_expert"):
+            shared = jax.nn.sigmoid(self.shared_expert_gate(xf, layer)) * self.shared_expert(xf, layer)
+        return (routed.astype(x.dtype) + shared).reshape(b, t, h)

@@ -1,0 +1,544 @@
+"""Flax NNX model of ``qwen3_5_moe`` (Qwen3.5/3.6-MoE), read top-down like docs/model.md §2.
+
+    h = embed_tokens[ids]
+    for each layer:  h += GatedDeltaNet | GatedAttention (NormZC(h));  h += SparseMoE(NormZC(h))
+    logits = lm_head(NormZC(h))
+
+Layers repeat in a fixed group (``[GDN, GDN, GDN, full]`` for Qwen3.6); the model keeps one stacked copy of each
+group position and ``lax.scan`` s over the groups, so compile time does not grow with depth. Layers see arrays only:
+checkpoint names and formats live in :mod:`qjax.checkpoint.loading`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from qjax.kernels import gated_delta_step
+from qjax.model import gdn
+from qjax.model.cache import Cache, GDNState, KVState, gather_rows, read_layer, scatter_rows, write_layer, write_tokens
+from qjax.model.config import FULL, LINEAR, TextConfig
+from qjax.model.layers import GatedRMSNorm, Linear, RMSNorm, init_normal, make_linear
+from qjax.model.moe import Experts, SparseMoeBlock
+from qjax.model.quant_layers import Packed, fake_quant_fp8, quantize_fp8
+from qjax.model.quant_spec import ModelQuant
+from qjax.model.rope import apply_rope, rope_cos_sin
+from qjax.model.sharding import cache_shardings, check_batch
+
+
+@struct.dataclass
+class StepContext:
+    """What every layer of one forward call shares (built once per call, outside the layer scan)."""
+
+    cos: jnp.ndarray  # [B, T, R]
+    sin: jnp.ndarray  # [B, T, R]
+    token_mask: jnp.ndarray | None  # [B, T] bool, False at padding (None: no padding)
+    key_valid: jnp.ndarray  # [B, S] bool, keys attention may read (after this call's write; it reads the first kv_len)
+    query_slot: jnp.ndarray  # [B or 1, T] int32, cache slot of each query (causality: key slot ≤ query slot)
+    # with a cache: the cache slot each new token is written to ([B, T]; the cache length, i.e. dropped, at padding),
+    # how many of the row's new tokens end at its last real one ([B]: where the GDN conv window ends), and which
+    # cache rows the batch rows are (qjax.model.cache.Rows: None, a prefix length or an index array)
+    write_slot: jnp.ndarray | None = None
+    span: jnp.ndarray | None = None
+    rows: jnp.ndarray | int | None = None
+    # [] int32 layer group being run when packed weights are read inside their [G, …] stack (see run_layers)
+    stack_layer: jnp.ndarray | None = None
+    # [] int32 layer group being run, the index into the cache's [G, …] stacks (set inside the layer scan)
+    cache_layer: jnp.ndarray | None = None
+    kv_len: int = struct.field(pytree_node=False, default=0)  # cache slots attention reads: [0, kv_len)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated full attention (docs/model.md §2.3)
+# ---------------------------------------------------------------------------------------------------------------------
+class GatedAttention(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None,
+                 kv_fp8: bool = False):
+        h, std, quant = cfg.hidden_size, cfg.initializer_range, quant or {}
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        lin = functools.partial(make_linear, quant=quant, dtype=dtype, std=std, rngs=rngs)
+        # q_proj rows are head-major [h0 query | h0 gate | h1 query | h1 gate | …]
+        self.q_proj = lin("self_attn.q_proj", h, 2 * self.num_heads * self.head_dim)
+        self.k_proj = lin("self_attn.k_proj", h, self.num_kv_heads * self.head_dim)
+        self.v_proj = lin("self_attn.v_proj", h, self.num_kv_heads * self.head_dim)
+        self.o_proj = lin("self_attn.o_proj", self.num_heads * self.head_dim, h)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        if kv_fp8:
+            # static FP8 KV scales, one per kv head (a per-tensor checkpoint scale is broadcast at load)
+            self.k_scale = Packed(jnp.ones((self.num_kv_heads,), jnp.float32))
+            self.v_scale = Packed(jnp.ones((self.num_kv_heads,), jnp.float32))
+        else:
+            self.k_scale = self.v_scale = None
+
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, kv: KVState | None):
+        """``x [B, T, H]`` → ``([B, T, H], updated KV slice or None)``."""
+        b, t, _ = x.shape
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        layer = ctx.stack_layer  # inside the layer scan: where this layer's packed weights sit in their stacks
+        p = self.q_proj(x, layer).reshape(b, t, nh, 2 * d)
+        q, gate = p[..., :d], p[..., d:].reshape(b, t, nh * d)
+        q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
+        k = apply_rope(self.k_norm(self.k_proj(x, layer).reshape(b, t, nkv, d)), ctx.cos, ctx.sin)
+        v = self.v_proj(x, layer).reshape(b, t, nkv, d)
+        fp8 = self.k_scale is not None
+        if fp8:
+            # K (after k_norm + RoPE) and V are what a compressed-tensors / vLLM FP8 cache stores: e4m3(x / s)
+            ks, vs = self.k_scale[...][:, None], self.v_scale[...][:, None]  # [Hkv, 1] broadcasts over D
+        if kv is not None:
+            g, rows = ctx.cache_layer, ctx.rows
+            new_k = quantize_fp8(k, ks) if fp8 else k
+            new_v = quantize_fp8(v, vs) if fp8 else v
+            kv = KVState(k=write_tokens(kv.k, g, rows, ctx.write_slot, new_k),
+                         v=write_tokens(kv.v, g, rows, ctx.write_slot, new_v))
+            # the first kv_len slots of this layer's rows, [B, Hkv, kv_len, D]: what the queries may read (this
+            # call's tokens included)
+            keys, values = (read_layer(c, g, rows, ctx.kv_len) for c in (kv.k, kv.v))
+            if fp8:
+                keys = (keys.astype(jnp.float32) * ks[:, None]).astype(x.dtype)
+                values = (values.astype(jnp.float32) * vs[:, None]).astype(x.dtype)
+            else:
+                keys, values = keys.astype(x.dtype), values.astype(x.dtype)
+        else:
+            if fp8:
+                # without a cache the same rounding is applied, so prefill and decode see identical keys and values
+                k, v = fake_quant_fp8(k, ks), fake_quant_fp8(v, vs)
+            keys, values = k.swapaxes(1, 2), v.swapaxes(1, 2)
+        o = attention(q, keys, values, ctx)
+        o = o.reshape(b, t, nh * d) * jax.nn.sigmoid(gate)
+        return self.o_proj(o, layer), kv
+
+
+def attention(q, k, v, ctx: StepContext) -> jnp.ndarray:
+    """Causal GQA softmax attention in fp32; q head h reads kv head ``h // (Hq/Hkv)``.
+
+    Args:
+      q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, S, D]`` (S = T without a cache, the slots read with one) — the cache's
+        layout, in which both matmuls batch over (B, Hkv) without transposing the keys or values.
+    Returns:
+      ``[B, T, Hq, D]`` in q's dtype.
+    """
+    b, t, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    allowed = (jnp.arange(s)[None, None, :] <= ctx.query_slot[..., None]) & ctx.key_valid[:, None, :s]  # [B, T, S]
+    # a finite minimum (not -inf) keeps fully masked rows (queries at left pads) NaN-free
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    o = jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=precision, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype).reshape(b, t, hq, d)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet (docs/model.md §2.5)
+# ---------------------------------------------------------------------------------------------------------------------
+class Conv1d(nnx.Module):
+    """Causal depthwise conv, no bias; ``weight [C, 1, K]`` as HF stores it."""
+
+    def __init__(self, channels: int, kernel: int, *, dtype, rngs: nnx.Rngs | None):
+        self.weight = nnx.Param(init_normal(rngs, (channels, 1, kernel), kernel ** -0.5, dtype))
+
+    def __call__(self, x: jnp.ndarray, window: jnp.ndarray, span: jnp.ndarray | None = None
+                 ) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """``x [B, T, C]``, ``window [B, K-1, C]`` (previous inputs) → (``[B, T, C]`` pre-activation, new window).
+
+        ``span [B]``: the new window ends after the first ``span[b]`` inputs of row b (its last real token: right
+        padding stays out of it, and a row with no real token keeps its window); None: after all T."""
+        kernel = self.weight.shape[-1]
+        t = x.shape[1]
+        xc = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+        w = self.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
+        y = sum(xc[:, i:i + t].astype(jnp.float32) * w[:, i] for i in range(kernel))
+        if span is None:
+            new_window = xc[:, xc.shape[1] - (kernel - 1):]
+        else:
+            at = span[:, None] + jnp.arange(kernel - 1, dtype=jnp.int32)[None, :]  # [B, K-1] indices into xc
+            new_window = jnp.take_along_axis(xc, at[..., None], axis=1)
+        return y.astype(x.dtype), new_window
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None):
+        h, std = cfg.hidden_size, cfg.initializer_range
+        lin = functools.partial(make_linear, quant=quant or {}, dtype=dtype, std=std, rngs=rngs)
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        self.conv_kernel = cfg.linear_conv_kernel_dim
+        self.in_proj_qkv = lin("linear_attn.in_proj_qkv", h, cfg.conv_dim)
+        self.in_proj_z = lin("linear_attn.in_proj_z", h, self.value_dim)
+        self.in_proj_b = lin("linear_attn.in_proj_b", h, self.num_v_heads)
+        self.in_proj_a = lin("linear_attn.in_proj_a", h, self.num_v_heads)
+        self.conv1d = Conv1d(cfg.conv_dim, self.conv_kernel, dtype=dtype, rngs=rngs)
+        # decay parameters stay fp32 whatever the model dtype: g = −exp(A_log)·softplus(a + dt_bias) is precision-bound
+        self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), jnp.float32))
+        a_init = (jax.random.uniform(rngs.params(), (self.num_v_heads,), jnp.float32, 0.01, 16.0)
+                  if rngs is not None else jnp.ones((self.num_v_heads,), jnp.float32))
+        self.A_log = nnx.Param(jnp.log(a_init))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = lin("linear_attn.out_proj", self.value_dim, h)
+
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, state: GDNState | None):
+        """``x [B, T, H]`` → ``([B, T, H], new GDNState or None)``."""
+        b, t, _ = x.shape
+        layer = ctx.stack_layer  # inside the layer scan: where this layer's packed weights sit in their stacks
+        if ctx.token_mask is not None:
+            # pads are zeroed before the projections so they add nothing to the conv window or the state
+            x = x * ctx.token_mask[..., None].astype(x.dtype)
+        mixed = self.in_proj_qkv(x, layer)
+        z = self.in_proj_z(x, layer).reshape(b, t, self.num_v_heads, self.head_v_dim)
+        beta = jax.nn.sigmoid(self.in_proj_b(x, layer))
+        a = self.in_proj_a(x, layer)
+        if state is not None:
+            cg, rows = ctx.cache_layer, ctx.rows
+            window = read_layer(state.conv, cg, rows)
+        else:
+            window = jnp.zeros((b, self.conv_kernel - 1, mixed.shape[-1]), mixed.dtype)
+        mixed, new_window = self.conv1d(mixed, window, None if state is None else ctx.span)
+        mixed = jax.nn.silu(mixed)
+        q = mixed[..., :self.key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
+        k = mixed[..., self.key_dim:2 * self.key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
+        v = mixed[..., 2 * self.key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        if ctx.token_mask is not None:
+            # β = g = 0 makes a padded step an exact no-op on the state, wherever the pad sits
+            keep = ctx.token_mask[..., None]
+            beta = jnp.where(keep, beta, 0)
+            g = jnp.where(keep, g, 0.0)
+        rec = None if state is None else state.recurrent  # the whole [G, B, Hv, Dk, Dv] stack
+        if t == 1 and rec is not None and rows is None and layer is not None:
+            # decode over the whole cache with the weights read in their stacks: one kernel reads and writes this
+            # layer's state in place inside the stack
+            o, rec = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], rec, layer=cg)
+            o = o[:, None]
+        else:
+            init = None if rec is None else read_layer(rec, cg, rows)
+            if t == 1:  # some of the cache's rows, or on a mesh (heads sharded: the reference)
+                if init is None:
+                    init = jnp.zeros((b, self.num_v_heads, self.head_k_dim, self.head_v_dim), jnp.float32)
+                o, s = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], init,
+                                        impl=None if layer is not None else "reference")
+                o = o[:, None]
+            else:
+                o, s = gdn.chunk_gated_delta_rule(q, k, v, g, beta, init)
+            if rec is not None:
+                rec = write_layer(rec, cg, rows, s)
+        o = self.norm(o.astype(x.dtype), z)
+        out = self.out_proj(o.reshape(b, t, self.value_dim), layer)
+        new_state = None if state is None else GDNState(conv=write_layer(state.conv, cg, rows, new_window),
+                                                        recurrent=rec)
+        return out, new_state
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decoder layer, layer group, model
+# ---------------------------------------------------------------------------------------------------------------------
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TextConfig, layer_type: str, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None,
+                 kv_fp8: bool = False):
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs, quant=quant)
+        else:
+            self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs, quant=quant, kv_fp8=kv_fp8)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = SparseMoeBlock(cfg, dtype=dtype, rngs=rngs, quant=quant)
+
+    def __call__(self, h: jnp.ndarray, ctx: StepContext, state):
+        # named scopes label the ops in profiles (qjax bench --profile) with the module that issued them
+        mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
+        with jax.named_scope("linear_attn" if self.layer_type == LINEAR else "self_attn"):
+            out, state = mixer(self.input_layernorm(h), ctx, state)
+        h = h + out
+        with jax.named_scope("mlp"):
+            h = h + self.mlp(self.post_attention_layernorm(h), layer=ctx.stack_layer)
+        return h, state
+
+
+class LayerGroup(nnx.Module):
+    """One repetition of the layer pattern, e.g. ``[GDN, GDN, GDN, full]``."""
+
+    def __init__(self, cfg: TextConfig, specs: tuple, *, dtype, rngs: nnx.Rngs | None, kv_fp8: bool = False):
+        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype=dtype, rngs=rngs, quant=dict(q), kv_fp8=kv_fp8)
+                                for kind, q in specs])
+
+    def __call__(self, h, ctx: StepContext, states, collect: bool = False):
+        new_states, outs = [], []
+        for i, layer in enumerate(self.layers):
+            h, st = layer(h, ctx, None if states is None else states[i])
+            new_states.append(st)
+            outs.append(h)
+        new_states = None if states is None else tuple(new_states)
+        return h, new_states, (jnp.stack(outs) if collect else None)
+
+
+class MTP(nnx.Module):
+    """Multi-token-prediction head (``mtp.*``): predicts token t+2 from the hidden at t and the token at t+1.
+
+    vLLM's convention (docs/model.md §6.3): ``h_t`` is the post-final-norm hidden; ``fc`` sees ``[embedding, hidden]``;
+    one full-attention + MoE decoder layer; ``mtp.norm`` then the shared lm_head.
+    """
+
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None):
+        h = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.fc = Linear(2 * h, h, dtype=dtype, std=cfg.initializer_range, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, FULL, dtype=dtype, rngs=rngs)
+                                for _ in range(max(1, cfg.mtp_num_hidden_layers))])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, next_embeds: jnp.ndarray, hidden: jnp.ndarray, ctx: StepContext) -> jnp.ndarray:
+        """``next_embeds``, ``hidden``: ``[B, T, H]`` → the ``mtp.norm``-ed hidden ``[B, T, H]``."""
+        y = jnp.concatenate([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        y = self.fc(y)
+        for layer in self.layers:
+            y, _ = layer(y, ctx, None)
+        return self.norm(y)
+
+
+@struct.dataclass
+class ForwardOutput:
+    logits: jnp.ndarray  # [B, T', V] (T' = T, or the kept last positions)
+    hidden: jnp.ndarray  # [B, T, H] post-final-norm hidden (the MTP head's input)
+    cache: Cache | None
+    hidden_states: jnp.ndarray | None = None  # [L + 1, B, T, H] when asked for
+
+
+class Qwen3_5MoeForCausalLM(nnx.Module):
+    """The text model with its lm_head. ``model(input_ids)`` → logits ``[B, T, V]`` (jitted)."""
+
+    def __init__(self, cfg: TextConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, with_mtp: bool = False,
+                 quant: ModelQuant | None = None):
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.quant = quant if quant is not None and not quant.is_empty else None
+        self.kv_fp8 = self.quant is not None and self.quant.kv_cache is not None
+        std = cfg.initializer_range
+        self.embed_tokens = nnx.Param(init_normal(rngs, (cfg.vocab_size, cfg.hidden_size), std, dtype))
+        specs = layer_period(cfg, self.quant)
+        self.layer_kinds = tuple(kind for kind, _ in specs)
+        self.num_groups = cfg.num_hidden_layers // len(specs)
+        make_group = lambda r: LayerGroup(cfg, specs, dtype=dtype, rngs=r, kv_fp8=self.kv_fp8)
+        if rngs is not None:
+            self.groups = nnx.vmap(make_group, in_axes=0, out_axes=0)(rngs.split(self.num_groups))
+        else:
+            self.groups = nnx.vmap(lambda _: make_group(None), in_axes=0, out_axes=0)(jnp.zeros(self.num_groups))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        head = {"lm_head": self.quant.lm_head} if self.quant is not None and self.quant.lm_head is not None else {}
+        self.lm_head = None if cfg.tie_word_embeddings else make_linear(
+            "lm_head", cfg.hidden_size, cfg.vocab_size, head, dtype=dtype, std=std, rngs=rngs)
+        self.mtp = MTP(cfg, dtype=dtype, rngs=rngs) if with_mtp else None
+        self.mesh_plan = None  # a qjax.model.sharding.MeshPlan when the variables live on a mesh (qjax.model.sharding.set_plan)
+
+    def init_cache(self, batch: int, max_len: int) -> Cache:
+        """An empty generation cache for ``batch`` rows of up to ``max_len`` positions (FP8 K/V when the checkpoint
+        has static KV scales); on a mesh, created directly in its shards (rows over ``data``, heads over
+        ``tensor``)."""
+        make = functools.partial(Cache.init, self.config, self.layer_kinds, batch, max_len, self.dtype,
+                                 kv_dtype=jnp.float8_e4m3fn if self.kv_fp8 else self.dtype)
+        if self.mesh_plan is None:
+            return make()
+
+        check_batch(self.mesh_plan, batch)
+        return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), self.mesh_plan))()
+
+    # -- building blocks ----------------------------------------------------------------------------------------------
+    def embed(self, input_ids: jnp.ndarray) -> jnp.ndarray:
+        return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+
+    def logits_from_hidden(self, h: jnp.ndarray) -> jnp.ndarray:
+        """Logits in float32 whatever the model dtype: rounding them to bf16 creates argmax ties and costs accuracy
+        for nothing (the matmul accumulates in fp32 anyway)."""
+        if self.lm_head is not None:
+            return self.lm_head.float32(h)
+        w = self.embed_tokens[...]  # tied embeddings
+        precision = jax.lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
+        return jax.lax.dot_general(h, w.astype(h.dtype), (((h.ndim - 1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
+
+    def _context(self, input_ids, attention_mask, position_ids, cache: Cache | None, rows=None,
+                 kv_len: int | None = None):
+        """The call's :class:`StepContext` and its token mask ``[B, T]``; with a cache, the batch's rows are the cache
+        rows ``rows`` (:data:`qjax.model.cache.Rows`) and attention reads the first ``kv_len`` slots (None: all)."""
+        b, t = input_ids.shape
+        mask = None if attention_mask is None else attention_mask.astype(bool)
+        ones = jnp.ones((b, t), bool)
+        m = ones if mask is None else mask
+        if cache is None:
+            if position_ids is None:
+                position_ids = (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if mask is None
+                                else jnp.maximum(jnp.cumsum(m, axis=1, dtype=jnp.int32) - 1, 0))
+            cos, sin = rope_cos_sin(self.config, position_ids, self.dtype)
+            return StepContext(cos=cos, sin=sin, token_mask=mask, key_valid=m,
+                               query_slot=jnp.arange(t, dtype=jnp.int32)[None]), m
+        if position_ids is None:
+            position_ids = gather_rows(cache.positions, rows)[:, None] + jnp.maximum(
+                jnp.cumsum(m, axis=1, dtype=jnp.int32) - 1, 0)
+        query_slot = gather_rows(cache.lengths, rows)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+        write_slot = jnp.where(m, query_slot, cache.max_len)  # padding is never written (out of range: dropped)
+        span = jnp.max(jnp.where(m, jnp.arange(1, t + 1, dtype=jnp.int32), 0), axis=1)
+        key_valid = gather_rows(cache.key_valid, rows).at[jnp.arange(b)[:, None], write_slot].set(True, mode="drop")
+        cos, sin = rope_cos_sin(self.config, position_ids, self.dtype)
+        kv_len = cache.max_len if kv_len is None else min(int(kv_len), cache.max_len)
+        ctx = StepContext(cos=cos, sin=sin, token_mask=mask, key_valid=key_valid, query_slot=query_slot,
+                          write_slot=write_slot, span=span, rows=rows, kv_len=kv_len)
+        return ctx, m
+
+    def run_layers(self, h: jnp.ndarray, ctx: StepContext, slots, collect: bool = False):
+        """Scan the layer groups.
+
+        Args:
+          slots: the cache's per-group-position states (leading group axis) or None.
+          collect: also return every layer's output hidden ``[L, B, T, H]`` (numerics diffs), else None.
+        Returns:
+          (h, new slots, per-layer hiddens).
+        """
+        # Scanning over the stacked variables slices every layer's weights out of the stack on every step, and XLA
+        # materialises a slice (a copy) before a kernel reads it. Packed weights, the routed experts and the dense
+        # projections — nearly all the bytes — stay whole instead: the kernels read layer g inside the [G, …] stack
+        # (ctx.stack_layer; a dense projection at prefill size is sliced for XLA's dot, see kernels.matmul). On a
+        # mesh, tensor and expert parallelism shard the weights per layer, so they are sliced as before.
+        stacked = self.mesh_plan is None
+        if stacked:
+            readers = frozenset(path for path, node in nnx.iter_graph(self.groups) if isinstance(node, _STACK_READERS))
+            graphdef, whole, state = nnx.split(self.groups, functools.partial(_read_in_stack, readers), ...)
+        else:
+            graphdef, state = nnx.split(self.groups)
+
+        # The cache rides in the carry as whole [G, B, …] stacks (the GDN recurrent states are 63 MB per layer
+        # position at batch 1 of the real model; K/V grow with the context): each layer reads the rows and slots it
+        # needs and writes its new entries in place (the GDN decode kernel inside the stack, one scatter per K/V),
+        # where scanning them would slice a copy of every layer's cache in and write it all back out on every step.
+        # The group index rides in the carry too: as a scanned [G] array XLA sliced it with an async copy per
+        # iteration, which also split the iteration's CUDA graph.
+        def body(carry, group_state):
+            h, g, slots = carry
+            layer_ctx = ctx.replace(cache_layer=g, stack_layer=g if stacked else None)
+            if stacked:
+                group = nnx.merge(graphdef, whole, group_state)
+                h, slots, outs = group(h, layer_ctx, slots, collect)
+            else:
+                h, slots, outs = nnx.merge(graphdef, group_state)(h, layer_ctx, slots, collect)
+                h = self.mesh_plan.batch(h)  # the residual stream: rows over data, whole on every tensor device
+            return (h, g + 1, slots), outs
+
+        (h, _, new_slots), outs = jax.lax.scan(body, (h, jnp.zeros((), jnp.int32), slots), state)
+        if collect:
+            outs = outs.reshape(-1, *outs.shape[2:])  # [G, p, B, T, H] → layer g·p + j
+        return h, new_slots, outs
+
+    # -- forward ------------------------------------------------------------------------------------------------------
+    def forward(self, input_ids, *, attention_mask=None, position_ids=None, cache: Cache | None = None,
+                last_only: bool = False, output_hidden_states: bool = False, cache_rows=None,
+                kv_len: int | None = None) -> ForwardOutput:
+        """Traceable forward.
+
+        Args:
+          input_ids: ``[B, T]`` int.
+          attention_mask: ``[B, T]`` (1 = token, 0 = padding) or None. Without a cache padding must be on the left;
+            with one, anywhere: pads are not written, attended to or counted (a right-padded chunk continues a
+            row exactly).
+          position_ids: ``[B, T]`` text positions or ``[3, B, T]`` M-RoPE rows; default: count of real tokens
+            before each position (so a left-padded row gets the positions it would have alone).
+          cache: a :class:`Cache` to read and update (prefill or decode), or None.
+          last_only: compute logits for the last position only (generation).
+          output_hidden_states: also return the embeddings and every layer's output (before the final norm) as
+            ``hidden_states [L + 1, B, T, H]`` — transformers' ``output_hidden_states`` minus its final-norm entry.
+          cache_rows: which cache rows the batch rows are (:data:`qjax.model.cache.Rows`): None (row i is cache row i; the
+            cache has exactly B rows), an int B (the cache's first B rows) or a ``[B]`` int32 array of rows, whose
+            out-of-range entries are padding rows (read clamped, never written).
+          kv_len: attention reads cache slots ``[0, kv_len)`` only (static; every row's tokens must lie below it).
+            None: the whole cache.
+        """
+        ctx, m = self._context(input_ids, attention_mask, position_ids, cache, cache_rows, kv_len)
+        h = self.embed(input_ids)
+        if self.mesh_plan is not None:
+            h = self.mesh_plan.batch(h)
+        h0 = h
+        h, new_slots, outs = self.run_layers(h, ctx, None if cache is None else cache.slots, output_hidden_states)
+        hidden_states = jnp.concatenate([h0[None], outs]) if output_hidden_states else None
+        h = self.norm(h)
+        with jax.named_scope("lm_head"):
+            logits = self.logits_from_hidden(h[:, -1:] if last_only else h)
+        new_cache = None
+        if cache is not None:
+            rows = cache_rows
+            lengths = gather_rows(cache.lengths, rows) + ctx.span
+            positions = gather_rows(cache.positions, rows) + jnp.sum(m, axis=1, dtype=jnp.int32)
+            new_cache = Cache(slots=new_slots, key_valid=scatter_rows(cache.key_valid, rows, ctx.key_valid),
+                              positions=scatter_rows(cache.positions, rows, positions),
+                              lengths=scatter_rows(cache.lengths, rows, lengths))
+        return ForwardOutput(logits=logits, hidden=h, cache=new_cache, hidden_states=hidden_states)
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None) -> jnp.ndarray:
+        """Logits ``[B, T, V]`` for ``input_ids [B, T]``; runs one jitted program (compiled once per shape)."""
+        graphdef, state = nnx.split(self)
+        return _jit_logits(graphdef, state, jnp.asarray(input_ids, jnp.int32),
+                           None if attention_mask is None else jnp.asarray(attention_mask),
+                           None if position_ids is None else jnp.asarray(position_ids, jnp.int32))
+
+    def mtp_logits(self, input_ids, hidden: jnp.ndarray | None = None) -> jnp.ndarray:
+        """Next-next-token logits from the MTP head, ``[B, T-1, V]``: row t predicts token t+2 from (h_t, token t+1).
+
+        ``hidden`` is the post-final-norm hidden of the main model (computed when not given).
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head (the checkpoint has no mtp.* weights)")
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        if hidden is None:
+            hidden = self.forward(input_ids).hidden
+        b, t = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(1, t, dtype=jnp.int32), (b, t - 1))
+        cos, sin = rope_cos_sin(self.config, positions, self.dtype)
+        ctx = StepContext(cos=cos, sin=sin, token_mask=None, key_valid=jnp.ones((b, t - 1), bool),
+                          query_slot=jnp.arange(t - 1, dtype=jnp.int32)[None])
+        y = self.mtp(self.embed(input_ids[:, 1:]), hidden[:, :-1], ctx)
+        return self.logits_from_hidden(y)
+
+
+# modules whose __call__ takes ``layer`` and indexes every one of their variables with it (through the kernels)
+_STACK_READERS = (Linear, Experts)
+
+
+def _read_in_stack(readers: frozenset, path, value) -> bool:
+    """Variables the layer scan passes whole (``[G, …]``): those of the modules at ``readers`` (their paths, the
+    :data:`_STACK_READERS` of the group), which read layer g inside the stack themselves."""
+    return any(tuple(path[:i]) in readers for i in range(1, len(path)))
+
+
+def layer_period(cfg: TextConfig, quant: ModelQuant | None) -> tuple:
+    """The shortest repeating group of (layer type, quantization) specs that tiles the decoder stack."""
+    specs = [(cfg.layer_types[i], quant.layers[i] if quant is not None and i < len(quant.layers) else ())
+             for i in range(cfg.num_hidden_layers)]
+    n = len(specs)
+    for p in range(1, n + 1):
+        if n % p == 0 and all(specs[i] == specs[i % p] for i in range(n)):
+            return tuple(specs[:p])
+    return tuple(specs)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_logits(graphdef, state, input_ids, attention_mask, position_ids):
+    model = nnx.merge(graphdef, state)
+    return model.forward(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+
+def init_model(cfg: TextConfig, *, dtype=jnp.float32, seed: int = 0, with_mtp: bool = False) -> Qwen3_5MoeForCausalLM:
+    """A randomly initialised model (HF's init scheme: normal(initializer_range) matrices, zero norm offsets)."""
+    return Qwen3_5MoeForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed), with_mtp=with_mtp)
+
+
+def abstract_model(cfg: TextConfig, *, dtype=jnp.float32, with_mtp: bool = False,
+                   quant: ModelQuant | None = None) -> Qwen3_5MoeForCausalLM:
+    """The model's structure with shape/dtype placeholders only (no memory): the loader fills it."""
+    return nnx.eval_shape(lambda: Qwen3_5MoeForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), with_mtp=with_mtp,
+                                                        quant=quant))
