@@ -45,7 +45,7 @@ from qjax.checkpoint.auto_round import (
     standard_regex,
 )
 from qjax.checkpoint.layout import checkpoint_tensors
-from qjax.checkpoint.quant_plan import layer_linears
+from qjax.model.linears import layer_linears
 from qjax.quant.packing import unpack_zero_point
 
 __all__ = ["AUTOROUND_VERSION", "AutoRoundError", "autoround_quantization_config", "save_autoround"]

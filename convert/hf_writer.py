@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from qjax.checkpoint.layout import checkpoint_tensors
-from qjax.checkpoint.quant_plan import layer_linears
 from qjax.checkpoint.safetensors_io import INDEX_FILE_NAME, write_safetensors
+from qjax.model.linears import layer_linears
 from qjax.quant.config import KVCacheScheme, QuantizationConfig, WeightScheme
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3

@@ -6,12 +6,10 @@ import math
 
 import jax.numpy as jnp
 
-from . import gdn_pallas, moe_reference
+from . import gdn_pallas, moe_pallas, moe_reference, qmatmul_pallas
 from . import qmatmul_reference as reference
 from .dispatch import resolve
 from .gdn_reference import gated_delta_step_reference
-from .moe_pallas import moe_experts_pallas
-from .qmatmul_pallas import dense_in_stack_ok, matmul_pallas, qmatmul_pallas
 from .quant_meta import QuantMeta
 
 # Rows up to which a dense layer inside a [G, N, K] stack is read in place by the Pallas kernel: below ~200 rows a
@@ -32,8 +30,8 @@ def matmul(x: jnp.ndarray, w: jnp.ndarray, *, impl: str | None = None, layer=Non
     if layer is not None and which in ("pallas", "interpret") and 0 < rows <= DENSE_IN_STACK_MAX_ROWS:
         # a layer the kernel cannot read in place (N or K off its blocks: the 1-row shared_expert_gate) goes to
         # XLA, which reads such a small slice inside its own fusion: one kernel instead of a pad copy + the kernel
-        if dense_in_stack_ok(rows, *w.shape[1:], w.dtype, x.dtype):
-            return matmul_pallas(x, w, interpret=which == "interpret", layer=layer)
+        if qmatmul_pallas.dense_in_stack_ok(rows, *w.shape[1:], w.dtype, x.dtype):
+            return qmatmul_pallas.matmul_pallas(x, w, interpret=which == "interpret", layer=layer)
     return reference.matmul(x, w if layer is None else w[layer])
 
 
@@ -50,7 +48,7 @@ def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str |
             packed, scale, zero = (None if a is None else a[layer] for a in (packed, scale, zero))
         return reference.qmatmul(x, packed, scale, zero, meta)
 
-    return qmatmul_pallas(x, packed, scale, zero, meta, interpret=which == "interpret", layer=layer)
+    return qmatmul_pallas.qmatmul_pallas(x, packed, scale, zero, meta, interpret=which == "interpret", layer=layer)
 
 
 def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | None = None,
@@ -76,7 +74,7 @@ def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | Non
         return moe_reference.moe_experts_dequant_all(x, idx, weights, gate_up, down, num_experts=num_experts,
                                                      offset=offset)
 
-    return moe_experts_pallas(x, idx, weights, gate_up, down, interpret=which == "interpret",
+    return moe_pallas.moe_experts_pallas(x, idx, weights, gate_up, down, interpret=which == "interpret",
                               num_experts=num_experts, expert_offset=offset)
 
 

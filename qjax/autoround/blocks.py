@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.checkpoint.quant_plan import layer_linears
 from qjax.model.config import LINEAR
+from qjax.model.linears import layer_linears
 from qjax.model.rope import apply_rope
 
 # auto-round never quantizes these (special_model_handler: routers and the shared-expert gate)

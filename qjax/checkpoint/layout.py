@@ -5,7 +5,7 @@ Accepted layouts (docs/model.md §6): text weights under ``model.language_model.
 or ``model.`` (text-only); routed experts fused (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj``,
 no ``.weight``) or per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``), chosen per layer; ``mtp.*`` for the
 MTP head; ``model.visual.*`` is not part of the text model. A packed linear ``name`` is stored the compressed-tensors
-way (docs/formats.md §2): ``name.weight_packed`` (I32) + ``name.weight_scale`` + ``name.weight_shape`` (+
+way (docs/formats.md §3): ``name.weight_packed`` (I32) + ``name.weight_scale`` + ``name.weight_shape`` (+
 ``name.weight_zero_point`` when asymmetric), or for MXFP8 ``name.weight`` (F8_E4M3) + ``name.weight_scale`` (U8).
 """
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from qjax.kernels import QuantMeta
-from qjax.model.config import FULL, LINEAR, TextConfig
+from qjax.model.config import FULL, TextConfig
+from qjax.model.linears import layer_linears
 from qjax.model.quant_spec import ModelQuant
 from qjax.quant.config import QuantizationConfig, WeightScheme
 
@@ -19,25 +20,6 @@ _SCALE_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "
 
 class QuantLoadError(ValueError):
     """Quantized tensors that do not agree with ``quantization_config`` (names the file/tensor and the group)."""
-
-
-def layer_linears(cfg: TextConfig, kind: str) -> dict[str, tuple[int, int]]:
-    """Quantizable linear modules of one decoder layer: relative name → (out, in). Experts listed per projection."""
-    h = cfg.hidden_size
-    mods: dict[str, tuple[int, int]] = {}
-    if kind == FULL:
-        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        mods.update({"self_attn.q_proj": (2 * nh * d, h), "self_attn.k_proj": (nkv * d, h),
-                     "self_attn.v_proj": (nkv * d, h), "self_attn.o_proj": (h, nh * d)})
-    elif kind == LINEAR:
-        mods.update({"linear_attn.in_proj_qkv": (cfg.conv_dim, h), "linear_attn.in_proj_z": (cfg.linear_value_dim, h),
-                     "linear_attn.in_proj_b": (cfg.linear_num_value_heads, h),
-                     "linear_attn.in_proj_a": (cfg.linear_num_value_heads, h),
-                     "linear_attn.out_proj": (h, cfg.linear_value_dim)})
-    s = cfg.shared_expert_intermediate_size
-    mods.update({"mlp.shared_expert.gate_proj": (s, h), "mlp.shared_expert.up_proj": (s, h),
-                 "mlp.shared_expert.down_proj": (h, s), "mlp.shared_expert_gate": (1, h)})
-    return mods
 
 
 def _stored_format(name: str, keys: set[str], dtype_of) -> str | None:

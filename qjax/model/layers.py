@@ -99,23 +99,10 @@ class GatedRMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU MLP ``down(silu(gate(x)) · up(x))`` (the shared expert)."""
+    """SwiGLU MLP ``down(silu(gate(x)) · up(x))`` (the shared expert) of three :class:`Linear` s."""
 
-    def __init__(self, hidden: int, intermediate: int, *, dtype, std: float, rngs: nnx.Rngs | None,
-                 quant: dict | None = None, prefix: str = ""):
-        lin = lambda name, i, o: make_linear(prefix + name, i, o, quant or {}, dtype=dtype, std=std, rngs=rngs)
-        self.gate_proj = lin("gate_proj", hidden, intermediate)
-        self.up_proj = lin("up_proj", hidden, intermediate)
-        self.down_proj = lin("down_proj", intermediate, hidden)
+    def __init__(self, gate_proj: Linear, up_proj: Linear, down_proj: Linear):
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
     def __call__(self, x: jnp.ndarray, layer=None) -> jnp.ndarray:
         return self.down_proj(jax.nn.silu(self.gate_proj(x, layer)) * self.up_proj(x, layer), layer)
-
-
-def make_linear(name: str, d_in: int, d_out: int, quant: dict, *, dtype, std: float, rngs: nnx.Rngs | None):
-    """The :class:`Linear` ``name`` (relative to its layer), packed when ``quant`` (relative name → QuantMeta) lists
-    it."""
-    try:
-        return Linear(d_in, d_out, dtype=dtype, std=std, rngs=rngs, meta=quant.get(name))
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None

@@ -6,12 +6,15 @@ unquantized experts as for packed ones.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from qjax.kernels import QuantMeta, moe_experts
-from qjax.model.layers import MLP, Linear, init_normal, make_linear
+from qjax.model.layers import MLP, Linear, init_normal
+from qjax.model.linears import linear
 from qjax.model.quant_layers import PackedWeight, expert_operand
 from qjax.model.sharding import expert_parallel
 
@@ -65,9 +68,9 @@ class SparseMoeBlock(nnx.Module):
         self.gate = Linear(h, cfg.num_experts, dtype=dtype, std=std, rngs=rngs)  # router: never quantized
         self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size, dtype=dtype, std=std, rngs=rngs,
                                gate_up=quant.get("mlp.experts.gate_up_proj"), down=quant.get("mlp.experts.down_proj"))
-        self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, dtype=dtype, std=std, rngs=rngs,
-                                 quant=quant, prefix="mlp.shared_expert.")
-        self.shared_expert_gate = make_linear("mlp.shared_expert_gate", h, 1, quant, dtype=dtype, std=std, rngs=rngs)
+        lin = functools.partial(linear, cfg, quant=quant, dtype=dtype, rngs=rngs)  # shapes: qjax.model.linears
+        self.shared_expert = MLP(*(lin(f"mlp.shared_expert.{p}_proj") for p in ("gate", "up", "down")))
+        self.shared_expert_gate = lin("mlp.shared_expert_gate")
 
     def __call__(self, x: jnp.ndarray, layer=None) -> jnp.ndarray:
         """``x [B, T, H]`` → ``[B, T, H]``; ``layer``: see :meth:`Experts.__call__`."""

@@ -21,7 +21,8 @@ from qjax.kernels import gated_delta_step
 from qjax.model import gdn
 from qjax.model.cache import Cache, GDNState, KVState, gather_rows, read_layer, scatter_rows, write_layer, write_tokens
 from qjax.model.config import FULL, LINEAR, TextConfig
-from qjax.model.layers import GatedRMSNorm, Linear, RMSNorm, init_normal, make_linear
+from qjax.model.layers import GatedRMSNorm, Linear, RMSNorm, init_normal
+from qjax.model.linears import linear
 from qjax.model.moe import Experts, SparseMoeBlock
 from qjax.model.quant_layers import Packed, fake_quant_fp8, quantize_fp8
 from qjax.model.quant_spec import ModelQuant
@@ -57,14 +58,12 @@ class StepContext:
 class GatedAttention(nnx.Module):
     def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None,
                  kv_fp8: bool = False):
-        h, std, quant = cfg.hidden_size, cfg.initializer_range, quant or {}
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        lin = functools.partial(make_linear, quant=quant, dtype=dtype, std=std, rngs=rngs)
-        # q_proj rows are head-major [h0 query | h0 gate | h1 query | h1 gate | …]
-        self.q_proj = lin("self_attn.q_proj", h, 2 * self.num_heads * self.head_dim)
-        self.k_proj = lin("self_attn.k_proj", h, self.num_kv_heads * self.head_dim)
-        self.v_proj = lin("self_attn.v_proj", h, self.num_kv_heads * self.head_dim)
-        self.o_proj = lin("self_attn.o_proj", self.num_heads * self.head_dim, h)
+        lin = functools.partial(linear, cfg, quant=quant or {}, dtype=dtype, rngs=rngs)  # shapes: qjax.model.linears
+        self.q_proj = lin("self_attn.q_proj")  # rows head-major [h0 query | h0 gate | h1 query | h1 gate | …]
+        self.k_proj = lin("self_attn.k_proj")
+        self.v_proj = lin("self_attn.v_proj")
+        self.o_proj = lin("self_attn.o_proj")
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
         if kv_fp8:
@@ -165,16 +164,15 @@ class Conv1d(nnx.Module):
 
 class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None):
-        h, std = cfg.hidden_size, cfg.initializer_range
-        lin = functools.partial(make_linear, quant=quant or {}, dtype=dtype, std=std, rngs=rngs)
+        lin = functools.partial(linear, cfg, quant=quant or {}, dtype=dtype, rngs=rngs)  # shapes: qjax.model.linears
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
         self.conv_kernel = cfg.linear_conv_kernel_dim
-        self.in_proj_qkv = lin("linear_attn.in_proj_qkv", h, cfg.conv_dim)
-        self.in_proj_z = lin("linear_attn.in_proj_z", h, self.value_dim)
-        self.in_proj_b = lin("linear_attn.in_proj_b", h, self.num_v_heads)
-        self.in_proj_a = lin("linear_attn.in_proj_a", h, self.num_v_heads)
+        self.in_proj_qkv = lin("linear_attn.in_proj_qkv")
+        self.in_proj_z = lin("linear_attn.in_proj_z")
+        self.in_proj_b = lin("linear_attn.in_proj_b")
+        self.in_proj_a = lin("linear_attn.in_proj_a")
         self.conv1d = Conv1d(cfg.conv_dim, self.conv_kernel, dtype=dtype, rngs=rngs)
         # decay parameters stay fp32 whatever the model dtype: g = −exp(A_log)·softplus(a + dt_bias) is precision-bound
         self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), jnp.float32))
@@ -182,7 +180,7 @@ class GatedDeltaNet(nnx.Module):
                   if rngs is not None else jnp.ones((self.num_v_heads,), jnp.float32))
         self.A_log = nnx.Param(jnp.log(a_init))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, dtype=dtype)
-        self.out_proj = lin("linear_attn.out_proj", self.value_dim, h)
+        self.out_proj = lin("linear_attn.out_proj")
 
     def __call__(self, x: jnp.ndarray, ctx: StepContext, state: GDNState | None):
         """``x [B, T, H]`` → ``([B, T, H], new GDNState or None)``."""
@@ -333,9 +331,9 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         else:
             self.groups = nnx.vmap(lambda _: make_group(None), in_axes=0, out_axes=0)(jnp.zeros(self.num_groups))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        head = {"lm_head": self.quant.lm_head} if self.quant is not None and self.quant.lm_head is not None else {}
-        self.lm_head = None if cfg.tie_word_embeddings else make_linear(
-            "lm_head", cfg.hidden_size, cfg.vocab_size, head, dtype=dtype, std=std, rngs=rngs)
+        head = self.quant.lm_head if self.quant is not None else None
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, std=std,
+                                                                    rngs=rngs, meta=head)
         self.mtp = MTP(cfg, dtype=dtype, rngs=rngs) if with_mtp else None
         self.mesh_plan = None  # a qjax.model.sharding.MeshPlan when the variables live on a mesh (qjax.model.sharding.set_plan)
 

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from qjax.kernels import qmatmul
 from qjax.model.cache import Cache, GDNState, KVState
 from qjax.model.config import TextConfig
+from qjax.model.linears import tensor_parallel_kind
 from qjax.model.variables import packed_metas, variable_shapes
 
 logger = logging.getLogger("qjax")
@@ -192,16 +193,10 @@ def check_batch(plan: MeshPlan, batch: int) -> None:
 # parameter rules
 # ---------------------------------------------------------------------------------------------------------------------
 # (module path regex, kind): the first match wins; paths are the nnx state path joined by "." without the leaf name
+# the layers' linear projections are split as qjax.model.linears declares them; these are the other variables
 _RULES: tuple[tuple[str, str], ...] = (
-    (r"(^|\.)self_attn\.q_proj$", "col"),
-    (r"(^|\.)self_attn\.[kv]_proj$", "col_kv"),
-    (r"(^|\.)self_attn\.o_proj$", "row"),
-    (r"(^|\.)linear_attn\.in_proj_(qkv|z|b|a)$", "col"),
-    (r"(^|\.)linear_attn\.out_proj$", "row"),
     (r"(^|\.)linear_attn\.conv1d$", "channels"),
     (r"(^|\.)mlp\.experts(\.(gate_up|down)_proj)?$", "experts"),
-    (r"(^|\.)mlp\.shared_expert\.(gate|up)_proj$", "col"),
-    (r"(^|\.)mlp\.shared_expert\.down_proj$", "row"),
     (r"^lm_head$", "vocab"),
 )
 _HEAD_VECTORS = {("linear_attn", "A_log"): "heads", ("linear_attn", "dt_bias"): "heads",
@@ -209,6 +204,9 @@ _HEAD_VECTORS = {("linear_attn", "A_log"): "heads", ("linear_attn", "dt_bias"): 
 
 
 def _kind(module: str) -> str:
+    declared = tensor_parallel_kind(module)
+    if declared is not None:
+        return declared
     for pattern, kind in _RULES:
         if re.search(pattern, module):
             return kind
