@@ -5,8 +5,8 @@ Models (``--config``):
   consecutive ``seqlen + 48``-token windows of its calib.txt as a JSON list of documents; W4A16 g64 + int2 g64
   experts (g64 because its intermediate size is 64); held-out yardstick: 8 × 256 tokens of its heldout.txt.
 - ``mid``: a seeded random transformers ``Qwen3_5MoeForCausalLM`` of cpu_speed.py's ``mid`` config (hidden 512,
-  8 layers [lin, lin, lin, full] × 2, 32 experts top-4, expert/shared intermediate 256; docs/autoround.md's anchor), bf16,
-  word-level tokenizer, random Zipf-word documents; W4A16 g128 + int2 g64 experts (seed 000's recipe).
+  8 layers [lin, lin, lin, full] × 2, 32 experts top-4, expert/shared intermediate 256; docs/autoround.md's anchor),
+  bf16, word-level tokenizer, random Zipf-word documents; W4A16 g128 + int2 g64 experts (seed 000's recipe).
 Both tools read the same JSON file with the same ``iters``, ``nsamples``, ``seqlen``, ``batch_size`` (defaults:
 docs/autoround.md's anchor, 50 / 32 / 256 / 8) and write llm_compressor folders.
 
@@ -262,9 +262,9 @@ def report(runs: dict, mse: dict, a) -> str:
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, {os.cpu_count()} CPU cores "
              f"(shared), {platform.python_version()}",
              f"- command: `python benchmarks/autoround.py {shlex.join(sys.argv[1:])}`",
-             f"- model: {MODEL_TEXT.get(a.config, f'cpu_speed.py `{a.config}` config, seeded random, in bf16')}; recipe W4A16 g{RECIPES[a.config][0]} + "
-             f"int2 g{RECIPES[a.config][1]} experts; iters {a.iters}, nsamples {a.nsamples}, seqlen {a.seqlen}, batch {a.batch_size}; "
-             f"median of {a.repeats} run(s) per tool",
+             f"- model: {MODEL_TEXT.get(a.config, f'cpu_speed.py `{a.config}` config, seeded random, in bf16')}; "
+             f"recipe W4A16 g{RECIPES[a.config][0]} + int2 g{RECIPES[a.config][1]} experts; iters {a.iters}, "
+             f"nsamples {a.nsamples}, seqlen {a.seqlen}, batch {a.batch_size}; median of {a.repeats} run(s) per tool",
              f"- total tuning time: auto-round {ar_t:.1f} s, qjax {qj_t:.1f} s → **qjax/auto-round = {ratio:.2f}** "
              f"(target ≤ {TARGET}: {'MET' if ratio <= TARGET else 'MISSED'})",
              f"- final-logit MSE vs the bf16 model on held-out ids {list(mse['ids_shape'])}: auto-round "

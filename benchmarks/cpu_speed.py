@@ -319,11 +319,13 @@ def _fmt_row(r: Row) -> str:
 def markdown(rows: list[Row], meta: dict, with_default: bool) -> str:
     lines = [SECTION, "",
              f"- date: {meta['date']}",
-             f"- machine: {meta['cpu']}, {meta['cores']} cores (`nproc` {meta['nproc']}); torch threads {meta['torch_threads']}",
+             f"- machine: {meta['cpu']}, {meta['cores']} cores (`nproc` {meta['nproc']}); "
+             f"torch threads {meta['torch_threads']}",
              f"- command: `{meta['command']}`",
              f"- qjax: commit {meta['git']}",
              f"- thread env vars: {meta['env']}",
-             f"- versions: jax {meta['jax']} (jaxlib {meta['jaxlib']}, backend {meta['backend']}), flax {meta['flax']}, "
+             f"- versions: jax {meta['jax']} (jaxlib {meta['jaxlib']}, backend {meta['backend']}), "
+             f"flax {meta['flax']}, "
              f"torch {meta['torch']}, transformers {meta['transformers']}, python {meta['python']}",
              f"- method: {meta['method']}",
              f"- target: **decode ≥ {TARGET:g}× transformers eager** (per decode row: MET / MISSED)",

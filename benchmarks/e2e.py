@@ -85,7 +85,8 @@ def _table(results: list[dict], full: bool) -> list[str]:
 
     lines = [format_table(results), "", format_memory(results)]
     if full:
-        lines += ["", "Batch-1 decode targets (issue 8):", "", "| recipe | tok/s | target | check |", "|---|---:|---:|---|"]
+        lines += ["", "Batch-1 decode targets (issue 8):", "", "| recipe | tok/s | target | check |",
+                  "|---|---:|---:|---|"]
         for r in results:
             if r["recipe"] in TARGETS:
                 row = next(x for x in r["rows"] if x["kind"] == "decode" and x["batch"] == 1)
@@ -103,7 +104,8 @@ def render(results: list[dict], failures: dict[str, str], a, section: str) -> st
                else "python " + " ".join(shlex.quote(x) for x in sys.argv))
     lines = [section, "",
              f"- date: {first.get('date', time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))}",
-             f"- machine: {first.get('device', '?')} ({first.get('devices', '?')} device(s)), host {first.get('host')}, "
+             f"- machine: {first.get('device', '?')} ({first.get('devices', '?')} device(s)), "
+             f"host {first.get('host')}, "
              f"`nproc` {os.cpu_count()}; jax {first.get('jax', '?')}",
              f"- command: `{command}` (each recipe: `qjax bench --recipe R {' '.join(a.bench_args)}`)",
              f"- qjax: {first.get('git') or git_state()}",
@@ -112,10 +114,10 @@ def render(results: list[dict], failures: dict[str, str], a, section: str) -> st
              "prefill: `prefill` of qjax.generate into a fresh cache (logits of the last position), tok/s = B·T / "
              "time; TTFT: host prompt → first token on the host, batch 1; decode: qjax.generate's `while_loop` for N "
              "forward steps from a warm cache, greedy, tok/s = B·N / time; baseline: the same programs with "
-             "`impl=\"xla\"` (every call dequantizes whole weights, all experts, then dot / ragged_dot); decode bound = "
-             "B ÷ (bytes per step ÷ measured copy bandwidth), bytes = non-expert weights + routed experts × "
-             "E_act/E + GDN state read+write + KV of the context; prefill bound = model matmul FLOPs ÷ dense BF16 "
-             "peak (GPU only)",
+             "`impl=\"xla\"` (every call dequantizes whole weights, all experts, then dot / ragged_dot); "
+             "decode bound = B ÷ (bytes per step ÷ measured copy bandwidth), bytes = non-expert weights + routed "
+             "experts × E_act/E + GDN state read+write + KV of the context; prefill bound = model matmul FLOPs ÷ "
+             "dense BF16 peak (GPU only)",
              "", *_table(results, a.full)]
     if not a.full:
         lines += ["", CPU_NOTES.rstrip()]

@@ -97,7 +97,8 @@ def sliced_bytes(hlo: str, groups: int) -> tuple[int, int]:
             continue
         if inside_fused:
             continue
-        m = re.search(r"= \(\(" + _SHAPE + r"\{[^}]*\}, s32\[\]\), " + _SHAPE + r"\{[^}]*\}, u32\[\]\) fusion-start", line)
+        m = re.search(r"= \(\(" + _SHAPE + r"\{[^}]*\}, s32\[\]\), " + _SHAPE + r"\{[^}]*\}, u32\[\]\) fusion-start",
+                      line)
         if m and m.group(2).split(",")[0] == str(groups) and m.group(4).split(",")[0] == "1":
             total += _bytes(m.group(3), m.group(4))
             count += 1
@@ -163,8 +164,8 @@ def main(argv=None) -> int:
              "kernels and device copies one decode step runs, from the compiled thunk sequence "
              "(`aot_h200.loop_launches`: nested loops × their trip counts, the layer scan's body × 10)",
              "",
-             "| recipe | compile s | XLA temp MB | copied per step MB | slices / iteration | step needs MB | copy traffic "
-             "(read + write) ÷ needed | launches / step | Pallas | other kernels | device copies |",
+             "| recipe | compile s | XLA temp MB | copied per step MB | slices / iteration | step needs MB | "
+             "copy traffic (read + write) ÷ needed | launches / step | Pallas | other kernels | device copies |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for recipe, secs, temp, copied, n, need, launches in rows:
         lines.append(f"| {recipe} | {secs:.1f} | {temp / 1e6:.0f} | {copied / 1e6:.0f} | {n} | "

@@ -196,8 +196,8 @@ def autoround_quantization_config(model, *, tuning: Mapping | None = None, layer
     """
     quant = getattr(model, "quant", None)
     if quant is None or quant.is_empty:
-        raise AutoRoundError("the model is not quantized: quantize it first (e.g. qjax.autoround.rtn.quantize_model) or "
-                             "write it with qjax.convert.save_pretrained")
+        raise AutoRoundError("the model is not quantized: quantize it first (e.g. qjax.autoround.rtn.quantize_model) "
+                             "or write it with qjax.convert.save_pretrained")
     if quant.kv_cache is not None:
         raise AutoRoundError("FP8 KV-cache scales have no place in the auto_round INT format; use save_pretrained")
     linears = _linears(model)

@@ -1,7 +1,7 @@
 """Write a qjax model as a Hugging Face checkpoint folder (``qwen3_5_moe_text``) that transformers and qjax load.
 
-Key names come from :func:`qjax.checkpoint.layout.expected_tensors` — the loader's own map, read backwards — so writer and
-loader cannot drift. The folder is written next to the target under a temporary name and renamed at the end: a
+Key names come from :func:`qjax.checkpoint.layout.expected_tensors` — the loader's own map, read backwards — so writer
+and loader cannot drift. The folder is written next to the target under a temporary name and renamed at the end: a
 failed or interrupted write never leaves a half-written checkpoint behind.
 """
 

@@ -153,7 +153,8 @@ def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: Q
                 sch = qc.scheme_for(m) if qc is not None else None
                 if sch is not None:
                     quant_modules[m] = ("mxfp8 g32" if sch.is_mxfp8 else
-                                        f"int{sch.num_bits} {'g' + str(sch.group_size) if sch.strategy == 'group' else sch.strategy}"
+                                        f"int{sch.num_bits} "
+                                        f"{'g' + str(sch.group_size) if sch.strategy == 'group' else sch.strategy}"
                                         f"{'' if sch.symmetric else ' asym'}")
     kv_item = 1 if quant is not None and quant.kv_cache else np.dtype(dt).itemsize
     n_full = sum(t == FULL for t in cfg.layer_types)
@@ -185,8 +186,8 @@ def _plan_mesh(p: Plan, model, mesh) -> None:
 
 def plan_folder(path: str, *, dtype=None, mesh=None, verify: bool = False) -> Plan:
     """The plan of a checkpoint folder, after every check loading makes short of reading tensor data
-    (:func:`qjax.checkpoint.loading.check_folder`; with ``verify`` the values too): a folder qjax cannot load is an error here
-    too."""
+    (:func:`qjax.checkpoint.loading.check_folder`; with ``verify`` the values too): a folder qjax cannot load is an
+    error here too."""
 
     cfg, qc, headers = (verify_folder if verify else check_folder)(path)
     return plan(cfg, headers, qc, dtype=dtype, mesh=mesh)

@@ -67,8 +67,8 @@ def _inside(path: str, roots: tuple[str, ...]) -> bool:
 
 def confined(folder: str | os.PathLike, name: str, *, what: str, error: type[Exception] = ValueError) -> str:
     """``folder/name`` for a relative file name found in or named by ``folder``'s files, checked to lie, after
-    symlinks, inside ``folder`` (see :func:`trusted_roots`); raises ``error`` naming ``what`` (e.g. the index file and its
-    entry) otherwise. Nothing outside is opened, and its size or contents are never reported."""
+    symlinks, inside ``folder`` (see :func:`trusted_roots`); raises ``error`` naming ``what`` (e.g. the index file and
+    its entry) otherwise. Nothing outside is opened, and its size or contents are never reported."""
     folder = os.fspath(folder)
     if not isinstance(name, str) or not name or "\x00" in name:
         raise error(f"{what}: {show(name)} is not a file name")

@@ -13,8 +13,8 @@ Everything is produced at test time with the real libraries (no llmcompressor / 
 * `ct_dequantized` dequantizes every quantized module with compressed-tensors' own decompressor
   (`BaseCompressor.get_value_from_registry(format).decompress`).
 * `ct_reference_model` / `ct_reference_logits` are the float32 oracle: a plain transformers model loaded with those
-  dequantized weights (docs/formats.md §8: transformers' own compressed-tensors loading is not a float32 oracle), optionally
-  emulating the FP8 KV cache.
+  dequantized weights (docs/formats.md §8: transformers' own compressed-tensors loading is not a float32 oracle),
+  optionally emulating the FP8 KV cache.
 
 Library limitation worked around here: compressed-tensors (0.19 and 0.20) refuses to quantize or dequantize a group
 whose columns are not a multiple of `group_size` (e.g. g128 on 64 input features), although the on-disk format

@@ -239,7 +239,8 @@ def _random_like(
 
 
 def _mtp_shapes(text: dict[str, Any], fused: bool) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the 1-layer MTP head (docs/model.md §6.3): fc + 3 norms + a full-attention MoE decoder layer."""
+    """Names and shapes of the 1-layer MTP head (docs/model.md §6.3): fc + 3 norms + a full-attention MoE decoder
+    layer."""
     h, hd = text["hidden_size"], text["head_dim"]
     nq, nkv = text["num_attention_heads"], text["num_key_value_heads"]
     n_exp, inter, shared = text["num_experts"], text["moe_intermediate_size"], text["shared_expert_intermediate_size"]
@@ -331,7 +332,8 @@ def write_official_layout(
         text = text["text_config"]
     text = {k: v for k, v in text.items() if k not in ("architectures", "transformers_version")}
     text["model_type"] = "qwen3_5_moe_text"
-    # Fields the official text_config carries that transformers does not use (docs/model.md §1.1); a loader may read them.
+    # Fields the official text_config carries that transformers does not use (docs/model.md §1.1); a loader may read
+    # them.
     text.update(
         mtp_num_hidden_layers=1 if with_mtp else 0,
         mtp_use_dedicated_embeddings=False,

@@ -17,6 +17,8 @@ from qjax.kernels import aot_h200
 from qjax.kernels.qmatmul_reference import qmatmul as qmatmul_ref
 from qjax.kernels.quant_meta import QuantMeta
 
+pytestmark = pytest.mark.interpret
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -147,7 +147,8 @@ def test_the_kernel_package_stands_alone():
            for t in targets if not (t.startswith("qjax.kernels") or t == "qjax")]
     assert not bad, bad
     code = ("import sys, qjax.kernels; "
-            "print(sorted(m for m in sys.modules if m == 'flax' or m.startswith(('flax.', 'qjax.model', 'qjax.checkpoint'))))")
+            "print(sorted(m for m in sys.modules if m == 'flax' or "
+            "m.startswith(('flax.', 'qjax.model', 'qjax.checkpoint'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
     assert out.returncode == 0, out.stderr

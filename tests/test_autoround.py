@@ -19,6 +19,8 @@ from qjax.autoround.driver import AutoRound, AutoRoundConfig
 from qjax.autoround.progress import ResumeError
 from qjax.autoround.schemes import LayerConfigError, parse_layer_config
 
+pytestmark = pytest.mark.slow
+
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "autoround_rtn")
 QUANT_FIELDS = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point")
 

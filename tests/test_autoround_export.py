@@ -25,6 +25,8 @@ from qjax.checkpoint.loading import module_weight
 from qjax.quant.config import QuantizationConfig, WeightScheme
 from qjax.quant.packing import pack_int32, unpack_int32, unpack_zero_point
 
+pytestmark = pytest.mark.slow
+
 EXPERTS = "re:.*mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$"
 # auto-round leaves linears with a dim that is not a multiple of 32 unquantized (in_proj_a/b: 4 rows,
 # shared_expert_gate: 1 row); the recipes do the same so both tools quantize the same set of layers.

@@ -30,6 +30,8 @@ from qjax.autoround import blocks, qdq
 from qjax.autoround.driver import block_loss
 from qjax.autoround.schemes import Scheme
 
+pytestmark = pytest.mark.slow
+
 ar_int = pytest.importorskip("auto_round.data_type.int")
 
 BITS, GROUP, B, T = 2, 32, 2, 24

@@ -15,6 +15,8 @@ from qjax.model.config import FULL, LINEAR
 from qjax.runtime import bench
 from qjax.runtime.random_model import abstract_recipe_model, random_model
 
+pytestmark = pytest.mark.slow
+
 # tiny shapes: the path, not the speed, is under test here (benchmarks/e2e.py times the real settings)
 TINY = dict(prefill=((8, 8),), decode_batches=(8,), context=8, new_tokens=4, repeats=1)
 TINY_FLAGS = ["--scale", "8", "--dtype", "float32", "--prefill", "8x8", "--decode-batches", "8", "--context", "8",

@@ -3,6 +3,8 @@ model, text streamed to stdout, bad input as one ``error:`` line with status 2, 
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import re
 import shutil
@@ -14,6 +16,8 @@ import time
 from qjax.checkpoint.hub import default_model_dir
 from qjax.cli.chat import render_conversation
 from qjax.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 PROMPT_RE = re.compile(r"--- prompt \((\d+) tokens\) ---\n(.*?)\n--- end of prompt ---\n", re.S)
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 
 def _qjax(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -223,7 +223,8 @@ def test_rtn_names_the_module_when_groups_do_not_divide(tiny_hf):
     from qjax.autoround.rtn import quantize_model
 
     model = qjax.load_model(tiny_hf[1], dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"model\.layers\.\d+\..*\[.*\]: 64 columns are not divisible by group_size 128"):
+    with pytest.raises(ValueError,
+                       match=r"model\.layers\.\d+\..*\[.*\]: 64 columns are not divisible by group_size 128"):
         quantize_model(model, recipe_to_qconfig("w4a16"))
 
 

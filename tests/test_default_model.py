@@ -24,6 +24,8 @@ import qjax
 from qjax.builtin import train as T
 from qjax.model.config import FULL, LINEAR, TextConfig
 
+pytestmark = pytest.mark.slow
+
 ASSET = Path(qjax.__file__).resolve().parent / "assets" / "default"
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
          "README.md", "heldout.txt", "calib.txt", "training_log.json")

@@ -26,6 +26,8 @@ import torch
 import qjax
 from qjax.checkpoint.hub import default_model_dir
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 BUILTIN = default_model_dir()
 PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy walked into the room and",
            "The weather at Longbourn was", "She could not help thinking that"]

@@ -1,4 +1,5 @@
-"""Pallas-Triton dense dequant matmul (kernels/qmatmul_pallas.py) vs the plain-JAX reference (kernels/qmatmul_reference.py).
+"""Pallas-Triton dense dequant matmul (kernels/qmatmul_pallas.py) vs the plain-JAX reference
+(kernels/qmatmul_reference.py).
 
 Numerics run the real kernels in Pallas interpret mode on CPU, always under ``jax.jit`` (compiled with cheap XLA
 options: the interpret-mode graphs are compile-bound). Random data everywhere: random int32 words (every bit
@@ -30,7 +31,10 @@ from qjax.kernels.qmatmul_pallas import KernelConfig, choose_config, lowering_ca
 from qjax.kernels.quant_meta import QuantMeta
 
 # jax ≥ 0.11 deprecates the Pallas Triton backend (id ``jax-pallas-triton``, docs/kernels.md §3)
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.interpret,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 
 # Interpret-mode kernels are big loop nests: compile them cheaply (numerics are unaffected).
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -48,7 +52,8 @@ def kernel(x, packed, scale, zero, meta, config=None):
 
 
 def ref_qmatmul(x, packed, scale, zero, meta):
-    """The oracle, :func:`kernels.qmatmul_reference.qmatmul`, jitted (op-by-op dispatch would recompile every op per shape)."""
+    """The oracle, :func:`kernels.qmatmul_reference.qmatmul`, jitted (op-by-op dispatch would recompile every op per
+    shape)."""
     return run_jit(lambda x, p, s, z: reference.qmatmul(x, p, s, z, meta), x, packed, scale, zero)
 
 

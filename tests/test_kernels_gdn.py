@@ -1,4 +1,5 @@
-"""The GDN decode-step kernel (kernels/gdn_pallas.py) vs its plain-JAX reference (qjax.model.gdn's recurrence for one token).
+"""The GDN decode-step kernel (kernels/gdn_pallas.py) vs its plain-JAX reference (qjax.model.gdn's recurrence for one
+token).
 
 Interpret mode on CPU, random data (never zeros), every head ratio the kernel takes; the state read and written in
 place inside a layer stack; gradients; the lowering for an abstract H200. Tolerances: float32 1e-6 relative (the
@@ -16,7 +17,10 @@ from h200_util import TRITON_TARGET, lower_for_h200
 from qjax.kernels import gated_delta_step, gdn_pallas
 from qjax.kernels.gdn_pallas import gated_delta_step_pallas, gated_delta_step_reference, lowering_cases
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.interpret,
+    pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 
 
 def _data(b, hk, hv, dk, dv, dtype, *, layers=None, seed=0):

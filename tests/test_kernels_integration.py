@@ -16,7 +16,7 @@ from hf_util import make_hf_model, tiny_text_config
 
 import qjax
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.interpret, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 EXPERTS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 IGNORE = ["lm_head", r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$"]

@@ -33,7 +33,10 @@ from qjax.kernels.quant_meta import QuantMeta, dense_meta
 
 from qjax.quant.packing import e8m0_to_float32
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.interpret,
+    pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 
 F32_TOL = 1e-5
 BF16_TOL = 4e-3

@@ -110,7 +110,8 @@ def test_route_matches_the_transformers_router(experts, top_k, tokens, dtype):
     tied = np.array([len(set(r)) < len(r) for r in kth])
     got_idx = np.asarray(got_idx)
     np.testing.assert_array_equal(got_idx[~tied], want_idx.numpy()[~tied])
-    np.testing.assert_array_equal(np.take_along_axis(probs, got_idx, -1), np.take_along_axis(probs, want_idx.numpy(), -1))
+    np.testing.assert_array_equal(np.take_along_axis(probs, got_idx, -1),
+                                  np.take_along_axis(probs, want_idx.numpy(), -1))
     assert got_w.dtype == DTYPES[dtype][0]
     p = np.exp(lg - lg.max(-1, keepdims=True))
     top = np.take_along_axis(p / p.sum(-1, keepdims=True), want_idx.numpy(), axis=-1)

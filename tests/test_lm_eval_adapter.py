@@ -1,6 +1,6 @@
-"""qjax.evaluation.lm_eval_adapter: lm-eval's three request types against direct qjax and transformers scoring on a tiny random
-checkpoint (word-level tokenizer written here), then the real lm-eval command line on the built-in Austen model with
-local tasks written into tmp_path (multiple choice, rolling perplexity, generation).
+"""qjax.evaluation.lm_eval_adapter: lm-eval's three request types against direct qjax and transformers scoring on a tiny
+random checkpoint (word-level tokenizer written here), then the real lm-eval command line on the built-in Austen model
+with local tasks written into tmp_path (multiple choice, rolling perplexity, generation).
 
 Numbers behind the CLI thresholds: the built-in model's training_log.json records a held-out token perplexity of
 ≈ 72 (256-token windows) against ≈ 618 for a unigram model; the paragraphs scored here are short, so their first
@@ -31,6 +31,8 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from qjax.evaluation.lm_eval_adapter import QJaxLM, bucket_length  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 VOCAB = 512
 EOT = VOCAB - 1  # "<|endoftext|>", last id of the word-level vocabulary
@@ -205,7 +207,8 @@ def test_lm_eval_command_line(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets"), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "qjax.cli", "lm-eval", "--model", "qjax",  # = python -m qjax.evaluation.lm_eval_adapter
+    cmd = [sys.executable, "-m", "qjax.cli", "lm-eval",  # = python -m qjax.evaluation.lm_eval_adapter
+           "--model", "qjax",
            "--model_args", f"pretrained={default_model_dir()},dtype=float32,batch_size=8",
            "--tasks", "qjax_austen_mc,qjax_austen_ppl,qjax_austen_gen", "--include_path", str(tmp_path / "tasks"),
            "--limit", "16", "--output_path", str(out), "--log_samples"]

@@ -1,8 +1,8 @@
 """Model parity against transformers' qwen3_5_moe (pure-torch CPU path), float32.
 
 Tolerance 2e-4 absolute on logits: two fp32 implementations each carry their own rounding. transformers' own
-cached-vs-full forward differs by up to 8e-5 on these models (docs/model.md §9); against the same HF model run in float64,
-HF's fp32 logits are off by 5.2e-5 and qjax's by 8.3e-5–9.3e-5 (tiny config, T = 77), so the two may differ by
+cached-vs-full forward differs by up to 8e-5 on these models (docs/model.md §9); against the same HF model run in
+float64, HF's fp32 logits are off by 5.2e-5 and qjax's by 8.3e-5–9.3e-5 (tiny config, T = 77), so the two may differ by
 their sum: 1.1e-4 on a 2-core AMD EPYC host (2026-12-01), under 1e-4 on the Intel Xeon hosts before, with the same
 package versions. Any real mistake ((1+w) vs w, chunked M-RoPE, head layout) moves logits by 0.1–4.
 """

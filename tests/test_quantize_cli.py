@@ -19,6 +19,8 @@ import qjax
 from qjax.autoround.api import progress_dir_for
 from qjax.autoround.data import calibration_ids, load_tokenizer
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 RECIPE = ["--bits", "4", "--group_size", "32", "--layer_config", "{.*experts.*:{bits:2,group_size:32}}",
           "--nsamples", str(NSAMPLES), "--seqlen", str(SEQLEN), "--batch_size", "4", "--dtype", "float32"]
 

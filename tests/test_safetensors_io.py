@@ -1,4 +1,5 @@
-"""Tests for qjax.checkpoint.safetensors_io against the official ``safetensors`` package (the reference implementation)."""
+"""Tests for qjax.checkpoint.safetensors_io against the official ``safetensors`` package (the reference
+implementation)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""qjax.runtime.sampling: the per-row sampler draws, row for row, exactly what qjax.generate's one-key sampler draws for a
-batch of one — the property the serving engine's exactness rests on — and filters like transformers' warpers."""
+"""qjax.runtime.sampling: the per-row sampler draws, row for row, exactly what qjax.generate's one-key sampler draws for
+a batch of one — the property the serving engine's exactness rests on — and filters like transformers' warpers."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from qjax.checkpoint.hub import default_model_dir
 from qjax.serving import SamplingParams
 from qjax.tokenizer import Tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 KEY = "sk-qjax-test"
 NAME = "qjax-test"
@@ -161,7 +161,8 @@ def test_lm_eval_through_the_server_equals_qjax_lm_eval(server, tmp_path, monkey
     direct_g, direct_gs = run("qjax", f"pretrained={default_model_dir()},dtype=float32,batch_size=4",
                               ["qjax_austen_gen"], apply_chat_template=True)
     chat_g, chat_gs = run("local-chat-completions", f"model={NAME},base_url={server.url}/v1/chat/completions,"
-                          "num_concurrent=2,max_retries=1,max_length=256", ["qjax_austen_gen"], apply_chat_template=True)
+                          "num_concurrent=2,max_retries=1,max_length=256", ["qjax_austen_gen"],
+                          apply_chat_template=True)
     assert chat_g["qjax_austen_gen"]["exact_match,none"] == direct_g["qjax_austen_gen"]["exact_match,none"]
     resp = lambda s: {x["doc_id"]: x["resps"][0][0] for x in s["qjax_austen_gen"]}  # noqa: E731
     assert resp(chat_gs) == resp(direct_gs)

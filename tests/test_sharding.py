@@ -26,6 +26,8 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 from sharding_probe import CHECKPOINTS, MESHES  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
@@ -95,7 +97,8 @@ def test_pallas_kernels_run_per_shard(report):
 
 
 def test_random_model_made_in_shards(report):
-    """qjax.runtime.random_model(mesh=...) creates each shard on its device and computes what the one-device model does."""
+    """qjax.runtime.random_model(mesh=...) creates each shard on its device and computes what the one-device model
+    does."""
     r = report["random_model"]
     assert r["worst_over_tol"] <= 1.0 and set(r["device_bytes"]) == {r["expected_device_bytes"]}
 

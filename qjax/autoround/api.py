@@ -108,7 +108,8 @@ def _output_bytes(model_dir: str, cfg: AutoRoundConfig) -> int:
     """An upper estimate of the quantized checkpoint's size, from the source's headers: every 2-D ``.weight`` at
     the widest bits the options use (plus its scales), everything else as it is."""
 
-    schemes = [cfg.base_scheme] + [dataclasses.replace(cfg.base_scheme, **{k: v for k, v in o.items() if k in SCHEME_FIELDS})
+    schemes = [cfg.base_scheme] + [dataclasses.replace(cfg.base_scheme,
+                                                       **{k: v for k, v in o.items() if k in SCHEME_FIELDS})
                                    for o in cfg.layer_config.values()]
     bits = max(8 if s.data_type == "mx_fp" else s.bits for s in schemes)
     group = min((s.group_size for s in schemes if s.group_size and s.group_size > 0), default=128)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qjax.autoround.rtn import dense_entries
+from qjax.checkpoint.layout import packed_tensors
 from qjax.checkpoint.loading import load_from_view
 from qjax.checkpoint.safetensors_io import dtype_name
 from qjax.checkpoint.view import MemoryCheckpoint
@@ -51,19 +52,25 @@ def weight_scheme(s, scale_dtype: str) -> WeightScheme:
 
 
 def _module_tensors(module: str, r, scale_dtype: str) -> dict[str, tuple]:
-    """compressed-tensors tensors of one 2-D module: key → (shape, safetensors dtype, array)."""
+    """compressed-tensors tensors of one 2-D module: key → (shape, safetensors dtype, array), named and shaped by
+    :func:`qjax.checkpoint.layout.packed_tensors` (the layout the loader reads)."""
+    n, k = r.packed.shape[-2], r.in_features
+    scheme = weight_scheme(r.scheme, scale_dtype)
     if r.scheme.is_mxfp8:
-        values = np.asarray(r.packed)
-        return {f"{module}.weight": (values.shape, "F8_E4M3", values),
-                f"{module}.weight_scale": (r.scale.shape, "U8", np.asarray(r.scale, np.uint8))}
-    scale = np.asarray(jnp.asarray(r.scale, jnp.float32).astype(jnp.dtype(scale_dtype)))
-    st = dtype_name(jnp.dtype(scale_dtype))
-    out = {f"{module}.weight_packed": (r.packed.shape, "I32", np.asarray(r.packed, np.int32)),
-           f"{module}.weight_scale": (scale.shape, st, scale),
-           f"{module}.weight_shape": ((2,), "I64", np.asarray([r.packed.shape[-2], r.in_features], np.int64))}
-    if r.zp is not None:
-        zpp = pack_zero_point(np.asarray(r.zp, np.int32), r.scheme.bits)
-        out[f"{module}.weight_zero_point"] = (zpp.shape, "I32", zpp)
+        values = {"weight": np.asarray(r.packed), "weight_scale": np.asarray(r.scale, np.uint8)}
+    else:
+        values = {"weight_packed": np.asarray(r.packed, np.int32),
+                  "weight_scale": np.asarray(jnp.asarray(r.scale, jnp.float32).astype(jnp.dtype(scale_dtype))),
+                  "weight_shape": np.asarray([n, k], np.int64)}
+        if r.zp is not None:
+            values["weight_zero_point"] = pack_zero_point(np.asarray(r.zp, np.int32), r.scheme.bits)
+    out = {}
+    specs = packed_tensors(module, scheme, (n, k), dtype_name(jnp.dtype(scale_dtype)))
+    for key, (field, shape, dtype) in specs.items():
+        arr = values[field]
+        if tuple(arr.shape) != tuple(shape):
+            raise AssertionError(f"{key}: AutoRound produced {list(arr.shape)}, the layout says {list(shape)}")
+        out[key] = (tuple(shape), dtype, arr)
     return out
 
 

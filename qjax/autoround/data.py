@@ -1,4 +1,5 @@
-"""Calibration data from a local file (nothing from a hub), cut the way auto-round cuts pile-10k (docs/autoround.md §15).
+"""Calibration data from a local file (nothing from a hub), cut the way auto-round cuts pile-10k
+(docs/autoround.md §15).
 
 Accepted files:
   - ``.txt``: documents separated by blank lines;

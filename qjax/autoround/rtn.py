@@ -63,7 +63,8 @@ def quantize_model(model, qconfig: QuantizationConfig | dict):
 
 def dense_entries(model):
     """(key, disk shape, safetensors dtype, get) of every tensor of the dense model in the per-expert layout."""
-    targets = expected_tensors(model, variable_shapes(model), fused_experts=per_expert_layout(model.config, mtp_layers=mtp_layers(model)),
+    targets = expected_tensors(model, variable_shapes(model),
+                               fused_experts=per_expert_layout(model.config, mtp_layers=mtp_layers(model)),
                                text_prefix="model.")
     dtype = dtype_name(model.dtype)
     for key, _, get in checkpoint_tensors(model):

@@ -94,7 +94,8 @@ def parse_layer_config(arg: str | dict | None) -> dict[str, dict[str, Any]]:
             opts = {**preset(opts.pop("scheme"), f"--layer_config[{pat!r}]"), **opts}
         bad = sorted(set(opts) - set(SCHEME_FIELDS) - {"scale_dtype"})
         if bad:
-            raise LayerConfigError(f"--layer_config[{pat!r}]: unsupported option(s) {bad} (supported: {list(SCHEME_FIELDS)})")
+            raise LayerConfigError(f"--layer_config[{pat!r}]: unsupported option(s) {bad} "
+                                   f"(supported: {list(SCHEME_FIELDS)})")
         out[str(pat)] = opts
     return out
 
@@ -146,7 +147,8 @@ def _parse_loose(text: str) -> dict:
         raise LayerConfigError(f"--layer_config: cannot parse {text!r}") from None
 
 
-def resolve(names: dict[str, tuple[int, int]], base: Scheme, layer_config: dict[str, dict[str, Any]]) -> dict[str, Scheme]:
+def resolve(names: dict[str, tuple[int, int]], base: Scheme,
+            layer_config: dict[str, dict[str, Any]]) -> dict[str, Scheme]:
     """Scheme per module name.
 
     Args:

@@ -39,7 +39,8 @@ FLOAT = ("F32", "BF16", "F16", "F64")
 class Target:
     """Where one checkpoint tensor goes: a model variable, the offset inside it, and the shape it must have."""
 
-    path: tuple | None  # nnx state path, e.g. ('groups', 'layers', 0, 'mlp', 'experts', 'gate_up_proj'); None: check only
+    path: tuple | None  # nnx state path, e.g. ('groups', 'layers', 0, 'mlp', 'experts', 'gate_up_proj');
+    #                     None: check only
     start: tuple[int, ...]  # offset inside the variable (leading stacked dims included)
     shape: tuple[int, ...]  # the tensor's shape on disk
     dtypes: tuple[str, ...] = FLOAT  # safetensors dtypes accepted on disk
@@ -247,7 +248,8 @@ def checkpoint_tensors(model, *, fused_experts: bool = False, dtype=None) -> lis
     cfg = model.config
     values, is_param = _values(model)
     targets = expected_tensors(model, variable_shapes(model),
-                               fused_experts={} if fused_experts else per_expert_layout(cfg, mtp_layers=mtp_layers(model)),
+                               fused_experts=({} if fused_experts
+                                              else per_expert_layout(cfg, mtp_layers=mtp_layers(model))),
                                text_prefix="model.")
     out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
     quant = getattr(model, "quant", None)

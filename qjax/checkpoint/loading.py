@@ -410,7 +410,9 @@ def module_weight(model, name: str, *, text_prefix: str = "model.") -> np.ndarra
     """
 
     leaves = variable_shapes(model)
-    targets = expected_tensors(model, leaves, fused_experts=per_expert_layout(model.config, prefix=text_prefix, mtp_layers=mtp_layers(model)),
+    targets = expected_tensors(model, leaves,
+                               fused_experts=per_expert_layout(model.config, prefix=text_prefix,
+                                                               mtp_layers=mtp_layers(model)),
                                text_prefix=text_prefix)
     values = {tuple(p): (v.get_value() if hasattr(v, "get_value") else v.value)
               for p, v in nnx.to_flat_state(nnx.state(model))}

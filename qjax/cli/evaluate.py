@@ -1,4 +1,5 @@
-"""``qjax eval ppl``, ``qjax eval fidelity`` and ``qjax compare``: flags → :mod:`qjax.evaluation.evaluate` / :mod:`qjax.evaluation.compare`.
+"""``qjax eval ppl``, ``qjax eval fidelity`` and ``qjax compare``: flags → :mod:`qjax.evaluation.evaluate` /
+:mod:`qjax.evaluation.compare`.
 
 Bad input (a missing file, empty data, too little text for one window, a folder without tokenizer files, models with
 different vocabularies) ends in one ``error: ...`` line on stderr and exit status 2 (``qjax.cli.main`` prints the

@@ -84,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=human_int, default=2048,
                    help="prompt tokens prefilled per engine step")
     p.add_argument("--num-scheduler-steps", type=int, default=8,
-                   help="tokens decoded per device call while no request waits (fewer host round trips; batch-1 decode on the CPU host: 0.80× generate's speed at 4, 0.87× at 8)")
+                   help="tokens decoded per device call while no request waits (fewer host round trips; batch-1 "
+                        "decode on the CPU host: 0.80× generate's speed at 4, 0.87× at 8)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
                    help="auto: the checkpoint's (FP8 with its static scales when it has them); fp8: E4M3, with "

@@ -1,7 +1,7 @@
 """Which modules of a model are quantized, and how: the static plan the model is built from.
 
-The loader derives it from ``quantization_config`` *and* the tensors present (docs/formats.md §2: the config decides bits,
-groups and format; the tensors decide whether a module is quantized). Module names are relative to a decoder layer
+The loader derives it from ``quantization_config`` *and* the tensors present (docs/formats.md §2: the config decides
+bits, groups and format; the tensors decide whether a module is quantized). Module names are relative to a decoder layer
 (``self_attn.q_proj``, ``linear_attn.in_proj_qkv``, ``mlp.shared_expert.down_proj``, ``mlp.experts.gate_up_proj``…).
 """
 

@@ -58,7 +58,8 @@ class StepContext:
 class GatedAttention(nnx.Module):
     def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None,
                  kv_fp8: bool = False):
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                            cfg.head_dim)
         lin = functools.partial(linear, cfg, quant=quant or {}, dtype=dtype, rngs=rngs)  # shapes: qjax.model.linears
         self.q_proj = lin("self_attn.q_proj")  # rows head-major [h0 query | h0 gate | h1 query | h1 gate | …]
         self.k_proj = lin("self_attn.k_proj")
@@ -332,10 +333,11 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
             self.groups = nnx.vmap(lambda _: make_group(None), in_axes=0, out_axes=0)(jnp.zeros(self.num_groups))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         head = self.quant.lm_head if self.quant is not None else None
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, std=std,
-                                                                    rngs=rngs, meta=head)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
+                                                                    std=std, rngs=rngs, meta=head)
         self.mtp = MTP(cfg, dtype=dtype, rngs=rngs) if with_mtp else None
-        self.mesh_plan = None  # a qjax.model.sharding.MeshPlan when the variables live on a mesh (qjax.model.sharding.set_plan)
+        self.mesh_plan = None  # a qjax.model.sharding.MeshPlan when the variables live on a mesh
+        #                        (qjax.model.sharding.set_plan)
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
         """An empty generation cache for ``batch`` rows of up to ``max_len`` positions (FP8 K/V when the checkpoint
@@ -451,8 +453,8 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
           last_only: compute logits for the last position only (generation).
           output_hidden_states: also return the embeddings and every layer's output (before the final norm) as
             ``hidden_states [L + 1, B, T, H]`` — transformers' ``output_hidden_states`` minus its final-norm entry.
-          cache_rows: which cache rows the batch rows are (:data:`qjax.model.cache.Rows`): None (row i is cache row i; the
-            cache has exactly B rows), an int B (the cache's first B rows) or a ``[B]`` int32 array of rows, whose
+          cache_rows: which cache rows the batch rows are (:data:`qjax.model.cache.Rows`): None (row i is cache row i;
+            the cache has exactly B rows), an int B (the cache's first B rows) or a ``[B]`` int32 array of rows, whose
             out-of-range entries are padding rows (read clamped, never written).
           kv_len: attention reads cache slots ``[0, kv_len)`` only (static; every row's tokens must lie below it).
             None: the whole cache.

@@ -12,7 +12,8 @@ Layouts (docs/formats.md §4–§5, oracle: ``compressed_tensors.compressors.pac
 
 Host functions: numpy arrays in and out (``ml_dtypes`` for bfloat16 / float8); the device decode of the same layouts
 is the kernels' (:mod:`qjax.kernels.qmatmul_reference`), tested against these. Leading dims (e.g. a fused
-``[E, N, K]`` expert stack) are allowed wherever a function works on the last dim; compressed-tensors packs each ``[N, K]`` slice independently, which is the same thing.
+``[E, N, K]`` expert stack) are allowed wherever a function works on the last dim; compressed-tensors packs each
+``[N, K]`` slice independently, which is the same thing.
 """
 
 from __future__ import annotations
@@ -373,8 +374,8 @@ def dequantize(
     * mxfp8-quantized: ``weight`` float8_e4m3fn (or its uint8 bytes), ``scale`` uint8 E8M0.
       ``W = e4m3(weight) * 2^(scale - 127)``.
 
-    All math is float32 and exact (docs/formats.md §4 'Exactness'): (q - zp) is a small integer and the scale has at most
-    11 significant bits, so one cast of the result to the scale dtype reproduces compressed-tensors' decompression.
+    All math is float32 and exact (docs/formats.md §4 'Exactness'): (q - zp) is a small integer and the scale has at
+    most 11 significant bits, so one cast of the result to the scale dtype reproduces compressed-tensors' decompression.
     """
     shape = tuple(int(s) for s in np.asarray(shape).reshape(-1))
     if len(shape) < 2:

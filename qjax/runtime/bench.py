@@ -296,8 +296,8 @@ def _copy_tree(tree):
 
 
 def run_bench(model, settings: Settings = Settings(), *, log: Callable[[str], None] = lambda s: None) -> dict:
-    """Time ``model`` (any :class:`~qjax.model.qwen3_5_moe.Qwen3_5MoeForCausalLM`); returns a JSON-able dict of rows plus
-    ``tokens`` (``{batch: [B, new_tokens + 1] int32}``, the greedy tokens of the default path, not serialised)."""
+    """Time ``model`` (any :class:`~qjax.model.qwen3_5_moe.Qwen3_5MoeForCausalLM`); returns a JSON-able dict of rows
+    plus ``tokens`` (``{batch: [B, new_tokens + 1] int32}``, the greedy tokens of the default path, not serialised)."""
 
     cfg = model.config
     graphdef, state = nnx.split(model)
@@ -584,7 +584,8 @@ def format_table(results: Sequence[dict]) -> str:
                 tok, base = _fmt(row["tok_s"], ".1f"), _fmt(row.get("baseline_tok_s"), ".1f")
             lines.append(f"| {r['recipe']} | {what} | {tok} | {row['s'] * 1e3:.1f} | {base} | "
                          f"{_fmt(row.get('speedup'), '.2f')} | {_fmt(row.get('bound_tok_s'), '.0f')} | "
-                         f"{_fmt(row.get('of_bound') and 100 * row['of_bound'], '.1f')}{'%' if row.get('of_bound') else ''}"
+                         f"{_fmt(row.get('of_bound') and 100 * row['of_bound'], '.1f')}"
+                         f"{'%' if row.get('of_bound') else ''}"
                          f" | {row['compile_s']:.1f} |")
     return "\n".join(lines)
 
@@ -629,8 +630,8 @@ def to_json(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 def decode_program(model, batch: int = 1, context: int = 512, new_tokens: int = 64):
     """``(fn, arg_specs)``: the decode ``while_loop`` of ``qjax.generate`` for ``model`` (an abstract one, e.g.
-    :func:`qjax.runtime.random_model.abstract_recipe_model`), as a function of abstract state, cache, logits and key — for
-    compiling without weights or device."""
+    :func:`qjax.runtime.random_model.abstract_recipe_model`), as a function of abstract state, cache, logits and key —
+    for compiling without weights or device."""
 
     cfg = model.config
     graphdef, state = nnx.split(model)

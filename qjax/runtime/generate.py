@@ -60,7 +60,8 @@ class DecodeSettings:
 # ---------------------------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("impl",), donate_argnums=(2,))
 def prefill(graphdef, state, cache: Cache, input_ids, attention_mask, impl: str | None = None):
-    """``input_ids [B, T]`` into ``cache``: (last-position logits ``[B, V]``, the cache). ``impl``: the kernel implementation to trace with (None: the default; :mod:`qjax.runtime.bench` times others)."""
+    """``input_ids [B, T]`` into ``cache``: (last-position logits ``[B, V]``, the cache). ``impl``: the kernel
+    implementation to trace with (None: the default; :mod:`qjax.runtime.bench` times others)."""
     with use_kernels(impl):
         model = nnx.merge(graphdef, state)
         out = model.forward(input_ids, attention_mask=attention_mask, cache=cache, last_only=True)

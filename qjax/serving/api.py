@@ -162,7 +162,8 @@ def create_app(state: ServerState) -> FastAPI:
         model = state.model_name(req.model)
         if req.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
-        prompts = completion_prompts(req, lambda s: state.tokenizer.encode(s, add_special_tokens=req.add_special_tokens))
+        prompts = completion_prompts(
+            req, lambda s: state.tokenizer.encode(s, add_special_tokens=req.add_special_tokens))
         for ids in prompts:
             _check_ids(ids, state.engine.vocab_size, "prompt")
         texts = ([req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
@@ -481,6 +482,7 @@ def _vllm_prompt_logprobs(asm: TextAssembler, k: int) -> list:
             entry[str(i)] = {"logprob": v, "rank": rank, "decoded_token": asm.token_text(i)}
         if str(lp.token_id) not in entry:
             rank = 1 + sum(v > lp.logprob for _, v in lp.top)
-            entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": rank, "decoded_token": asm.token_text(lp.token_id)}
+            entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": rank,
+                                       "decoded_token": asm.token_text(lp.token_id)}
         out.append(entry)
     return out
