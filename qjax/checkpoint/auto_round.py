@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from qjax.checkpoint.view import MemoryCheckpoint
 from qjax.model.config import read_config
 from qjax.quant.config import PACK_QUANTIZED, QuantConfigError, QuantizationConfig, WeightScheme
 from qjax.quant.packing import pack_int32, pack_words, pack_zero_point, unpack_int32, unpack_words
@@ -370,27 +371,16 @@ def _check_g_idx(name: str, g_idx: np.ndarray, k: int, gs: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # the loader's view of a folder
 # ---------------------------------------------------------------------------------------------------------------------
-class AutoRoundCheckpoint:
-    """Duck-typed :class:`qjax.checkpoint.view.Checkpoint` over an auto-round folder, in compressed-tensors' layout."""
+class AutoRoundCheckpoint(MemoryCheckpoint):
+    """A :class:`~qjax.checkpoint.view.MemoryCheckpoint` over an auto-round folder's :class:`Checkpoint`, in
+    compressed-tensors' layout: converted tensors are computed on demand, the rest read through."""
 
     def __init__(self, ckpt, quantization_config: Mapping, source: str):
-        self.folder = ckpt.folder
         self._ckpt = ckpt
         self._disk_keys = set(ckpt.keys())
         raw = {k: (tuple(ckpt.shape(k)), ckpt.dtype(k), (lambda k=k: ckpt.get(k))) for k in ckpt.keys()}
-        self.quantization_config, self._entries = autoround_to_ct_tensors(raw, quantization_config, source=source)
-
-    def keys(self) -> list[str]:
-        return list(self._entries)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self._entries[key][0]
-
-    def dtype(self, key: str) -> str:
-        return self._entries[key][1]
-
-    def get(self, key: str) -> np.ndarray:
-        return self._entries[key][2]()
+        self.quantization_config, entries = autoround_to_ct_tensors(raw, quantization_config, source=source)
+        super().__init__(ckpt.folder, entries)
 
     def file_of(self, key: str) -> str:
         module, _, field = key.rpartition(".")
