@@ -38,7 +38,6 @@ from qjax.checkpoint.auto_round import (
     GPTQ,
     NATIVE,
     PACKING_FORMATS,
-    ArScheme,
     AutoRoundError,
     check_layer_dims,
     ct_to_autoround,
@@ -47,6 +46,7 @@ from qjax.checkpoint.auto_round import (
 from qjax.checkpoint.layout import checkpoint_tensors
 from qjax.model.linears import layer_linears
 from qjax.quant.packing import unpack_zero_point
+from qjax.quant.schemes import ArScheme, to_autoround
 
 __all__ = ["AUTOROUND_VERSION", "AutoRoundError", "autoround_quantization_config", "save_autoround"]
 
@@ -98,7 +98,7 @@ def _scheme(name: str, meta) -> ArScheme | None:
                              "qjax.convert.save_pretrained (compressed-tensors mxfp8-quantized)")
     if meta.strategy == "tensor":
         raise AutoRoundError(f"{name}: per-tensor INT scales have no auto_round equivalent (group or channel only)")
-    return meta.bits, (-1 if meta.strategy == "channel" else meta.group_size), meta.symmetric
+    return to_autoround(meta)
 
 
 def _global_scheme(linears: list[Linear]) -> ArScheme:

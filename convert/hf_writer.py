@@ -9,63 +9,158 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from qjax.checkpoint.layout import checkpoint_tensors
+from qjax.checkpoint.layout import checkpoint_tensors, mtp_layers
 from qjax.checkpoint.safetensors_io import INDEX_FILE_NAME, write_safetensors
 from qjax.model.linears import layer_linears
+from qjax.quant import schemes
 from qjax.quant.config import KVCacheScheme, QuantizationConfig, WeightScheme
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
+logger = logging.getLogger("qjax")
+
 
 def quantization_config(model) -> dict | None:
-    """The compressed-tensors ``quantization_config`` of a quantized model: one config group per distinct scheme
-    with explicit module names as targets (exact, as auto-round writes them), dense linears in ``ignore``."""
+    """The compressed-tensors ``quantization_config`` of a quantized model: one config group per distinct scheme.
+
+    Targets are ``re:`` patterns by module kind, as llmcompressor writes them (docs/formats.md §8), so that every
+    consumer resolves every module: transformers 5 (routed experts fused into one ``mlp.experts`` module whose
+    tensors it decompresses with the group whose ``re:`` target names the experts), vLLM (fused MoE layers matched
+    through their per-expert names) and compressed-tensors on a per-expert model. A kind whose layers do not all
+    share one scheme gets per-layer patterns; dense kinds go to ``ignore`` (the MTP head is always dense).
+    """
     quant = getattr(model, "quant", None)
     if quant is None:
         return None
-    cfg = model.config
-    groups: dict[WeightScheme, list[str]] = {}
-    ignore: list[str] = []
-    for i, kind in enumerate(cfg.layer_types):
-        stem = f"model.layers.{i}."
-        metas = quant.layer(i)
-        for rel in layer_linears(cfg, kind):
-            if rel in metas:
-                groups.setdefault(_scheme(metas[rel]), []).append(stem + rel)
-            else:
-                ignore.append(stem + rel)
-        # either side of the stacked experts may be dense (not listed: targets are explicit module names)
-        if "mlp.experts.gate_up_proj" in metas:
-            sch = _scheme(metas["mlp.experts.gate_up_proj"])
-            for e in range(cfg.num_experts):
-                groups.setdefault(sch, []).extend(f"{stem}mlp.experts.{e}.{p}" for p in ("gate_proj", "up_proj"))
-        if "mlp.experts.down_proj" in metas:
-            dn = _scheme(metas["mlp.experts.down_proj"])
-            groups.setdefault(dn, []).extend(f"{stem}mlp.experts.{e}.down_proj" for e in range(cfg.num_experts))
+    by_kind = schemes_by_kind(model)
+    groups: dict[WeightScheme, list[tuple[str, int | None]]] = {}
+    dense: list[tuple[str, int | None]] = []
+    for kind, layers in by_kind.items():
+        distinct = set(layers.values())
+        units = [(kind, None, distinct.pop())] if len(distinct) == 1 else [(kind, i, s) for i, s in layers.items()]
+        for name, layer, scheme in units:
+            (dense if scheme is None else groups.setdefault(scheme, [])).append((name, layer))
+    targets = {sch: _patterns(units) for sch, units in groups.items()}
     if quant.lm_head is not None:
-        groups.setdefault(_scheme(quant.lm_head), []).append("lm_head")
-    else:
-        ignore.append("lm_head")
+        targets.setdefault(schemes.from_meta(quant.lm_head), []).append("lm_head")
+    ignore = ["lm_head"] if quant.lm_head is None else []
+    ignore += _patterns(dense)
+    if mtp_layers(model):
+        ignore.append(MTP_PATTERN)
     kv = None if quant.kv_cache is None else KVCacheScheme(num_bits=8, type="float", strategy=quant.kv_cache)
-    qc = QuantizationConfig(groups=tuple((f"group_{i}", tuple(names), sch) for i, (sch, names) in
-                                         enumerate(groups.items())), ignore=tuple(ignore), kv_cache=kv)
+    # the experts' group first: transformers 5 takes the first group whose re: targets name the experts
+    order = sorted(targets.items(), key=lambda kv_: not any(EXPERTS_WORD in t for t in kv_[1]))
+    qc = QuantizationConfig(groups=tuple((f"group_{i}", tuple(names), sch) for i, (sch, names) in enumerate(order)),
+                            ignore=tuple(ignore), kv_cache=kv)
     return qc.to_dict()
 
 
-def _scheme(meta) -> WeightScheme:
-    if meta.fmt == "mxfp8":
-        return WeightScheme(format="mxfp8-quantized", num_bits=8, type="float", symmetric=True, strategy="group",
-                            group_size=32, scale_dtype="uint8")
-    return WeightScheme(format="pack-quantized", num_bits=meta.bits, type="int", symmetric=meta.symmetric,
-                        strategy=meta.strategy, group_size=meta.group_size if meta.strategy == "group" else None,
-                        scale_dtype=meta.scale_dtype)
+def schemes_by_kind(model) -> dict[str, dict[int, WeightScheme | None]]:
+    """Every quantizable module kind of a quantized ``model`` (``self_attn.q_proj``, ``mlp.experts.down_proj``, …)
+    → {layer index: its scheme, None when dense}."""
+    quant, cfg = model.quant, model.config
+    by_kind: dict[str, dict[int, WeightScheme | None]] = {}
+    for i, kind in enumerate(cfg.layer_types):
+        metas = quant.layer(i)
+        for rel in layer_linears(cfg, kind):
+            by_kind.setdefault(rel, {})[i] = schemes.from_meta(metas[rel]) if rel in metas else None
+        for proj, stacked in EXPERT_PROJECTIONS.items():
+            meta = metas.get(stacked)
+            by_kind.setdefault(f"{EXPERTS}.{proj}", {})[i] = None if meta is None else schemes.from_meta(meta)
+    return by_kind
+
+
+# Layers vLLM builds from several checkpoint modules; it needs one scheme for all of them (docs/formats.md §8)
+VLLM_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+              ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+              ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+              ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"))
+
+
+def consumer_limits(model) -> list[str]:
+    """What the PyTorch consumers cannot load correctly in a compressed-tensors export of ``model`` (one sentence
+    each; empty when transformers 5 and vLLM both take it). Measured with transformers 5.24 + compressed-tensors
+    0.20.1 (the same failures with llmcompressor's own checkpoints) and read from vLLM 0.34's matching code."""
+    if getattr(model, "quant", None) is None:
+        return []
+    by_kind = schemes_by_kind(model)
+    used = {s for layers in by_kind.values() for s in layers.values() if s is not None}
+    if model.quant.lm_head is not None:
+        used.add(schemes.from_meta(model.quant.lm_head))
+    experts = {by_kind[f"{EXPERTS}.{p}"][i] for p in EXPERT_PROJECTIONS for i in by_kind[f"{EXPERTS}.{p}"]}
+    out = []
+    if any(not s.symmetric for s in used):
+        out.append("transformers 5.24 cannot load asymmetric pack-quantized modules (it sizes weight_zero_point "
+                   "unpacked and drops it for experts; llmcompressor's own W4A16_ASYM export fails the same way)")
+    if any(s is not None and s.is_mxfp8 for s in experts):
+        out.append("transformers 5.24 cannot load MXFP8 experts (it decompresses 8-bit float experts as per-channel "
+                   "FP8, multiplying by the raw E8M0 scale bytes; llmcompressor's own MXFP8A16 export fails the same "
+                   "way)")
+    if len(experts) > 1:
+        out.append(f"transformers 5.24 decompresses every layer's routed experts with one scheme, but these experts "
+                   f"use {len(experts)} ({', '.join(sorted(_describe(s) for s in experts))}): it would compute "
+                   "wrong logits")
+    if model.quant.kv_cache is not None:
+        out.append("transformers 5.24 emulates a kv_cache_scheme at another point than vLLM and qjax (which quantize "
+                   "K after k_norm + RoPE, and V, with the stored scales): its logits differ from theirs")
+    for shards in VLLM_FUSED:
+        for i in sorted(by_kind.get(shards[0], {})):
+            seen = {by_kind[k][i] for k in shards if k in by_kind}
+            if len(seen) > 1:
+                out.append(f"vLLM fuses {', '.join(shards)} into one layer and needs one scheme for them; layer {i} "
+                           f"has {', '.join(sorted(_describe(s) for s in seen))}")
+                break
+    return out
+
+
+def _describe(s: WeightScheme | None) -> str:
+    if s is None:
+        return "dense"
+    if s.is_mxfp8:
+        return "mxfp8"
+    group = f"g{s.group_size}" if s.strategy == "group" else s.strategy
+    return f"int{s.num_bits} {group}{'' if s.symmetric else ' asym'}"
+
+
+EXPERTS = "mlp.experts"
+EXPERTS_WORD = "experts"
+# the per-expert projections transformers and vLLM name, and the stacked variable each lives in
+EXPERT_PROJECTIONS = {"gate_proj": "mlp.experts.gate_up_proj", "up_proj": "mlp.experts.gate_up_proj",
+                      "down_proj": "mlp.experts.down_proj"}
+MTP_PATTERN = r"re:.*mtp\..*"
+
+
+def _patterns(units: list[tuple[str, int | None]]) -> list[str]:
+    """``re:`` patterns matching exactly the module kinds ``units`` ((kind, layer or None for every layer)), kinds
+    under one parent merged as llmcompressor writes them (``re:.*self_attn\\.(q_proj|k_proj)$``).
+
+    A routed-expert pattern also matches the fused ``mlp.experts`` module itself: transformers 5 has no per-expert
+    modules, and compressed-tensors warns about a target that matches nothing (matching a module that is not a
+    Linear quantizes nothing)."""
+    merged: dict[tuple[str, int | None], list[str]] = {}
+    for kind, layer in units:
+        parent, _, leaf = kind.rpartition(".")
+        merged.setdefault((parent, layer), []).append(leaf)
+    out = []
+    for (parent, layer), leaves in merged.items():
+        where = "" if layer is None else rf"layers\.{layer}\."
+        alt = leaves[0] if len(leaves) == 1 else "(" + "|".join(leaves) + ")"
+        if parent == EXPERTS:
+            out.append(rf"re:.*{where}mlp\.experts(\.\d+\.{alt})?$")
+        else:
+            prefix = re.escape(parent + ".") if parent else ""
+            out.append(rf"re:.*{where}{prefix}{alt}$")
+    return out
 
 
 def save_pretrained(model, out_dir: str | os.PathLike, *, dtype=None, fused_experts: bool = False,
@@ -86,6 +181,8 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, dtype=None, fused_expe
         qc = quantization_config(model)
         if qc is not None:
             hf_cfg["quantization_config"] = qc
+            for limit in consumer_limits(model):
+                logger.warning("%s: %s", out_dir, limit)
         write_json(os.path.join(folder, "config.json"), hf_cfg)
         write_weights(folder, checkpoint_tensors(model, fused_experts=fused_experts, dtype=out_dtype),
                       model=model, max_shard_bytes=max_shard_bytes, extra_files=extra_files)

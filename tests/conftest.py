@@ -1,4 +1,4 @@
-"""Session-wide oracle fixtures: tiny transformers models generated at test time (see hf_util.py)."""
+"""Session-wide oracle fixtures: tiny transformers models generated at test time (see oracles/hf.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 # One persistent XLA compilation cache for the session and every subprocess it starts (env vars are inherited):
 # many tests run the same programs in fresh processes (the built-in model's generate in each CLI test, the same
@@ -42,7 +43,8 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 
 import pytest  # noqa: E402
 import torch
-from hf_util import make_hf_model, odd_text_config, save_hf, tiny_text_config, write_official_layout
+from oracles.ct import RECIPES, write_ct_checkpoint
+from oracles.hf import make_hf_model, odd_text_config, save_hf, tiny_text_config, write_official_layout
 
 # The models are tiny: more threads only add scheduling noise and contend with parallel test workers.
 torch.set_num_threads(2)
@@ -95,3 +97,20 @@ def odd_hf(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, s
 def official_dir(tiny_hf: tuple[torch.nn.Module, str], tmp_path_factory: pytest.TempPathFactory) -> str:
     """tiny_hf's weights in the official Qwen3.6 layout (composite config, fused experts, visual + MTP, 2 shards)."""
     return write_official_layout(tiny_hf[1], tmp_path_factory.mktemp("tiny-qwen-official"))
+
+
+@pytest.fixture(scope="session")
+def hf128():
+    """A tiny model with hidden 128 so group 128 is exact and group 64 makes two groups."""
+    # initializer_range 0.05: at 0.1 this wider net is chaotic enough that fp32 summation order alone moves logits
+    # by ~1.5e-4 (weights bit-identical); at 0.05 the norm noise still makes (1+w) mistakes obvious
+    return make_hf_model(tiny_text_config(hidden_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                                          num_experts=4, initializer_range=0.05), seed=3)
+
+
+@pytest.fixture(scope="session", params=sorted(RECIPES))
+def ct_ckpt(request, hf128, tmp_path_factory):
+    """(recipe name, folder) of a compressed-tensors checkpoint of ``hf128`` written by compressed-tensors itself."""
+    folder = tmp_path_factory.mktemp(request.param)
+    calib = np.random.default_rng(0).integers(0, 512, (2, 24))
+    return request.param, write_ct_checkpoint(hf128, folder / "ckpt", RECIPES[request.param], calib_ids=calib)

@@ -22,7 +22,7 @@ xla_env.apply(single_threaded=True)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from hf_util import tiny_text_config  # noqa: E402
+from oracles.hf import tiny_text_config  # noqa: E402
 from qjax.convert.hf_writer import save_pretrained  # noqa: E402
 from qjax.convert.planner import plan_folder, recipe_to_qconfig  # noqa: E402
 

@@ -9,7 +9,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ar_util import NSAMPLES, RTN_RECIPE, SEQLEN, read_tensors, run_auto_round, write_base, write_calibration
+from oracles.autoround import NSAMPLES, RTN_RECIPE, SEQLEN, read_tensors, run_auto_round, write_base, write_calibration
 from qjax.convert import save_pretrained
 
 import qjax
@@ -60,11 +60,21 @@ def _auto_round_rtn(base, tmp_path):
     return tensors, qc, "live"
 
 
-def _targets(qc) -> dict[tuple, set]:
+def _targets(qc, folder) -> dict[tuple, set]:
+    """(bits, group_size, symmetric) → the modules of ``folder`` that ``qc`` quantizes that way, resolved with
+    compressed-tensors' own name matching (exact names and ``re:`` patterns; ignore wins)."""
+    from compressed_tensors.utils.match import match_name
+
+    modules = {k.rsplit(".", 1)[0] for k in read_tensors(folder) if k.endswith((".weight", ".weight_packed"))}
     out: dict[tuple, set] = {}
-    for g in qc["config_groups"].values():
-        w = g["weights"]
-        out.setdefault((w["num_bits"], w["group_size"], w["symmetric"]), set()).update(g["targets"])
+    for m in modules:
+        if any(match_name(m, t) for t in qc.get("ignore") or ()):
+            continue
+        for g in qc["config_groups"].values():
+            if any(match_name(m, t) for t in g["targets"]):
+                w = g["weights"]
+                out.setdefault((w["num_bits"], w["group_size"], w["symmetric"]), set()).add(m)
+                break
     return out
 
 
@@ -81,7 +91,7 @@ def test_rtn_matches_auto_round_bit_for_bit(base, calib, tmp_path):
     bad = [k for k in ref if got[k].dtype != ref[k].dtype or not np.array_equal(got[k], ref[k])]
     assert not bad, f"{len(bad)} of {len(ref)} tensors differ from auto-round ({source}): {bad[:5]}"
     qc = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
-    assert _targets(qc) == _targets(ref_qc)
+    assert _targets(qc, out) == _targets(ref_qc, out)
 
 
 def test_committed_fixture_is_current(base, tmp_path):
@@ -150,7 +160,8 @@ def test_experts_half_quantized_when_group_does_not_divide(base, calib, tmp_path
     got = np.asarray(qmodel(ids))
     np.testing.assert_allclose(got, fake, atol=1e-4, rtol=0)
     out = save_pretrained(qmodel, tmp_path / "mixed")
-    targets = set().union(*_targets(json.load(open(os.path.join(out, "config.json")))["quantization_config"]).values())
+    targets = set().union(*_targets(json.load(open(os.path.join(out, "config.json")))["quantization_config"],
+                                    out).values())
     assert "model.layers.0.mlp.experts.3.up_proj" in targets
     assert not any(t.endswith("down_proj") for t in targets)
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in read_tensors(out)

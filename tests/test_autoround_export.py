@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_util import make_hf_model, save_hf, tiny_text_config
+from oracles.hf import make_hf_model, save_hf, tiny_text_config
 from qjax.convert.autoround_writer import AutoRoundError, save_autoround
 from safetensors.numpy import load_file
 
@@ -199,7 +199,7 @@ def test_transformers_loads_it_with_autoround(exported, recipe: str) -> None:
     implementations of the same math: 1e-4, as for the dense writer (measured ≈ 1–3e-5).
     """
     pytest.importorskip("auto_round")
-    from ar_util import isolated
+    from oracles.autoround import isolated
 
     _, want, folder = exported[recipe]
     out = os.path.join(folder, "..", f"{recipe}-transformers-logits.npy")
@@ -213,7 +213,7 @@ def test_transformers_loads_it_with_autoround(exported, recipe: str) -> None:
 # against auto-round's own output
 # ---------------------------------------------------------------------------------------------------------------------
 def _autoround_folder(source: str, out: str, recipe: str) -> str:
-    from ar_util import isolated
+    from oracles.autoround import isolated
 
     sym, _, _, _, _, layer_config = RECIPES[recipe]
     return isolated("autoround_export_here", source=source, out=out, sym=sym, layer_config=layer_config)

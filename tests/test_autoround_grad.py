@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_util import make_hf_model, save_hf, tiny_text_config
+from oracles.hf import make_hf_model, save_hf, tiny_text_config
 
 import qjax
 from qjax.autoround import blocks, qdq

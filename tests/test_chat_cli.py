@@ -3,8 +3,6 @@ model, text streamed to stdout, bad input as one ``error:`` line with status 2, 
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import re
 import shutil
@@ -12,6 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from qjax.checkpoint.hub import default_model_dir
 from qjax.cli.chat import render_conversation

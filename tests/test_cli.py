@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 import subprocess
 import sys
+
+import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 

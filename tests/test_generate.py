@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_util import hf_generate_greedy
+from oracles.hf import hf_generate_greedy
 
 import qjax
 from qjax.runtime.generate import process_logits

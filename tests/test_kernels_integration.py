@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ct_util import write_ct_checkpoint
-from hf_util import make_hf_model, tiny_text_config
+from oracles.ct import write_ct_checkpoint
+from oracles.hf import make_hf_model, tiny_text_config
 
 import qjax
 

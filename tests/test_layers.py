@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_util import odd_text_config, tiny_text_config
+from oracles.hf import odd_text_config, tiny_text_config
+from qjax.kernels import QuantMeta, dequantize
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-from qjax.kernels import QuantMeta, dequantize
 from qjax.model.config import TextConfig
 from qjax.model.layers import GatedRMSNorm, Linear, RMSNorm
 from qjax.model.moe import route

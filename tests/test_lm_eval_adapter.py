@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from eval_tasks import austen_tasks
-from hf_util import hf_generate_greedy, hf_logits, make_hf_model, save_hf, tiny_text_config
+from oracles.hf import hf_generate_greedy, hf_logits, make_hf_model, save_hf, tiny_text_config
 
 from qjax.checkpoint.hub import default_model_dir
 

@@ -1,4 +1,12 @@
-"""Loader and config: layouts, dtypes, and clear errors for bad input (each names the file and the tensor/field)."""
+"""Loader and config: layouts, dtypes, compressed-tensors checkpoints, and clear errors for bad input (each names the
+file and the tensor/field).
+
+compressed-tensors checkpoints are written at test time by compressed-tensors + transformers (tests/oracles/ct.py):
+qjax keeps them packed and dequantizes them bit for bit like compressed-tensors. Oracles: compressed-tensors' own
+decompression (weights, 0 differing bits) and a float32 transformers model built from those decompressed weights
+(logits, 1e-4: same fp32 math in another order, as for the dense model); with FP8 KV, that model's attention
+fake-quantizes K (after k_norm + RoPE) and V with the stored scales.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +18,15 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_util import tiny_text_config
+from oracles.ct import RECIPES, ct_dequantized, ct_reference_logits, write_ct_checkpoint
+from oracles.hf import tiny_text_config
 from safetensors.numpy import load_file, save_file
 
 import qjax
+from qjax.checkpoint.loading import module_weight
 from qjax.model.config import TextConfig
+
+TOL = 1e-4  # logits of a compressed-tensors checkpoint against its decompressed float32 transformers model
 
 
 def _copy(src: str, dst) -> str:
@@ -130,3 +142,128 @@ def test_config_composite_interval_and_validation():
     # the dict qjax writes parses back to the same config
     again = TextConfig.from_dict(cfg.to_hf_dict())
     assert again == cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# compressed-tensors checkpoints
+# ---------------------------------------------------------------------------------------------------------------------
+def test_weights_bit_exact_vs_compressed_tensors(ct_ckpt):
+    name, folder = ct_ckpt
+    model = qjax.load_model(folder)
+    assert model.quant is not None
+    want = ct_dequantized(folder)
+    assert want, "the recipe quantized nothing"
+    bad = {}
+    for key, ref in want.items():
+        got = module_weight(model, key[: -len(".weight")])
+        n = int(np.sum(got.astype(np.float32).view(np.uint32) != ref.astype(np.float32).view(np.uint32)))
+        if n:
+            bad[key] = n
+    assert not bad, f"{name}: differing elements per module: {bad}"
+
+
+def test_weights_stay_packed_in_memory(ct_ckpt):
+    """Quantized modules hold the stored words (int32 packs / float8 values) and no dense copy of the weight."""
+    from qjax.model.variables import variable_shapes
+
+    _, folder = ct_ckpt
+    model = qjax.load_model(folder)
+    leaves = variable_shapes(model)
+    packed = {p: v for p, v in leaves.items() if p[-1] == "weight_packed"}
+    assert packed and all(v.dtype in (jnp.int32, jnp.float8_e4m3fn) for v in packed.values())
+    modules = {p[:-1] for p in packed}
+    assert not any(p[:-1] in modules and p[-1] == "weight" for p in leaves)
+
+
+def test_logits_match_decompressed_transformers(ct_ckpt):
+    name, folder = ct_ckpt
+    model = qjax.load_model(folder, dtype=jnp.float32)
+    ids = np.random.default_rng(1).integers(0, 512, (2, 70)).astype(np.int32)
+    want = ct_reference_logits(folder, ids, fp8_kv=RECIPES[name]["kv_cache"] is not None)
+    got = np.asarray(model(ids))
+    assert np.abs(got - want).max() <= TOL
+
+
+def test_cached_decode_equals_forward_with_fp8_kv(ct_ckpt):
+    name, folder = ct_ckpt
+    if RECIPES[name]["kv_cache"] is None:
+        pytest.skip("no FP8 KV in this recipe")
+    model = qjax.load_model(folder, dtype=jnp.float32)
+    assert model.kv_fp8
+    ids = np.random.default_rng(2).integers(0, 512, (1, 40)).astype(np.int32)
+    full = np.asarray(model(ids))
+    cache = model.init_cache(1, 40)
+    assert cache.slots[-1].k.dtype == jnp.float8_e4m3fn  # K/V really are stored as FP8
+    a, cache = qjax.extend(model, cache, ids[:, :30])
+    steps = [np.asarray(a)]
+    for t in range(30, 40):
+        b, cache = qjax.extend(model, cache, ids[:, t:t + 1])
+        steps.append(np.asarray(b))
+    # FP8 rounding is a step function: the ~1e-6 fp32 differences between the cached and the full path occasionally
+    # flip one K/V element by an FP8 ulp (6 % of that element), measured up to 4e-4 on logits; a wrong scale, a
+    # missing dequantization or unquantized cache entries move logits by 1e-2 to 1.
+    assert np.abs(np.concatenate(steps, 1) - full).max() <= 2e-3
+
+
+def test_official_layout_quantized(hf128, tmp_path):
+    folder = write_ct_checkpoint(hf128, tmp_path / "official", RECIPES["w2_experts_w4_rest"], official_layout=True)
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    assert cfg["model_type"] == "qwen3_5_moe"
+    model = qjax.load_model(folder, dtype=jnp.float32)
+    ids = np.random.default_rng(4).integers(0, 512, (2, 33)).astype(np.int32)
+    assert np.abs(np.asarray(model(ids)) - ct_reference_logits(folder, ids)).max() <= TOL
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# compressed-tensors checkpoints: bad input
+# ---------------------------------------------------------------------------------------------------------------------
+def _clone(folder, dst):
+    import shutil
+    shutil.copytree(folder, dst)
+    return str(dst)
+
+
+def _edit_config(folder, fn):
+    path = os.path.join(folder, "config.json")
+    cfg = json.load(open(path))
+    fn(cfg["quantization_config"])
+    json.dump(cfg, open(path, "w"))
+
+
+@pytest.fixture(scope="module")
+def w4(hf128, tmp_path_factory):
+    return write_ct_checkpoint(hf128, tmp_path_factory.mktemp("w4") / "ckpt", RECIPES["int4_sym_g128"])
+
+
+def test_unsupported_3bit_is_refused(w4, tmp_path):
+    folder = _clone(w4, tmp_path / "c")
+    _edit_config(folder, lambda q: next(iter(q["config_groups"].values()))["weights"].update(num_bits=3))
+    with pytest.raises(qjax.quant.QuantConfigError) as err:
+        qjax.load_model(folder)
+    assert "config.json" in str(err.value) and "num_bits" in str(err.value)
+
+
+def test_activation_quantization_is_refused(w4, tmp_path):
+    folder = _clone(w4, tmp_path / "c")
+    _edit_config(folder, lambda q: next(iter(q["config_groups"].values())).update(
+        input_activations={"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}))
+    with pytest.raises(qjax.quant.QuantConfigError, match="input_activations"):
+        qjax.load_model(folder)
+
+
+def test_group_size_mismatch_names_the_tensor(w4, tmp_path):
+    folder = _clone(w4, tmp_path / "c")
+    _edit_config(folder, lambda q: next(iter(q["config_groups"].values()))["weights"].update(group_size=32))
+    with pytest.raises(qjax.LoadError) as err:
+        qjax.load_model(folder)
+    assert "weight_scale" in str(err.value) and "wrong shape" in str(err.value)
+
+
+def test_packed_tensors_without_quantization_config(w4, tmp_path):
+    folder = _clone(w4, tmp_path / "c")
+    path = os.path.join(folder, "config.json")
+    cfg = json.load(open(path))
+    del cfg["quantization_config"]
+    json.dump(cfg, open(path, "w"))
+    with pytest.raises(ValueError, match="no quantization_config"):
+        qjax.load_model(folder)

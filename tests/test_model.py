@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_util import hf_logits
+from oracles.hf import hf_logits
 
 import qjax
 from qjax.model.config import TextConfig

@@ -13,7 +13,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ar_util import NSAMPLES, SEQLEN, read_tensors, write_base, write_calibration
+from oracles.autoround import NSAMPLES, SEQLEN, read_tensors, write_base, write_calibration
 
 import qjax
 from qjax.autoround.api import progress_dir_for

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_util import tiny_text_config
+from oracles.hf import tiny_text_config
 from qjax.convert import save_pretrained
 from qjax.convert.planner import plan_recipe
 

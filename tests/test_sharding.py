@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from hf_util import tiny_text_config
+from oracles.hf import tiny_text_config
 
 from qjax.model.config import TextConfig
 from qjax.model.sharding import MeshError, check_fits, param_spec, parse_mesh_spec, plan_mesh

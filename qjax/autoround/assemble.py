@@ -15,12 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from qjax.autoround.rtn import dense_entries
-from qjax.checkpoint.layout import packed_tensors
+from qjax.checkpoint.layout import packed_entries
 from qjax.checkpoint.loading import load_from_view
 from qjax.checkpoint.safetensors_io import dtype_name
 from qjax.checkpoint.view import MemoryCheckpoint
+from qjax.quant import schemes
 from qjax.quant.config import KVCacheScheme, QuantizationConfig, WeightScheme
-from qjax.quant.packing import e8m0_to_float32, pack_zero_point, unpack_int32
+from qjax.quant.packing import e8m0_to_float32, unpack_int32
 
 from . import blocks
 
@@ -41,37 +42,14 @@ def dequantize_result(r, dtype) -> jnp.ndarray:
     return jnp.asarray(w).astype(jnp.dtype(r.scale_dtype)).astype(dtype)
 
 
-def weight_scheme(s, scale_dtype: str) -> WeightScheme:
-    if s.is_mxfp8:
-        return WeightScheme(format="mxfp8-quantized", num_bits=8, type="float", symmetric=True, strategy="group",
-                            group_size=32, scale_dtype="uint8")
-    channel = s.group_size == -1
-    return WeightScheme(format="pack-quantized", num_bits=s.bits, type="int", symmetric=s.sym,
-                        strategy="channel" if channel else "group", group_size=None if channel else s.group_size,
-                        scale_dtype=scale_dtype)
-
-
-def _module_tensors(module: str, r, scale_dtype: str) -> dict[str, tuple]:
-    """compressed-tensors tensors of one 2-D module: key → (shape, safetensors dtype, array), named and shaped by
-    :func:`qjax.checkpoint.layout.packed_tensors` (the layout the loader reads)."""
+def _module_entries(module: str, r, scale_dtype: str) -> dict[str, tuple]:
+    """compressed-tensors tensors of one 2-D module: key → (shape, safetensors dtype, get), laid out by
+    :func:`qjax.checkpoint.layout.packed_entries` (the layout the loader reads)."""
     n, k = r.packed.shape[-2], r.in_features
-    scheme = weight_scheme(r.scheme, scale_dtype)
-    if r.scheme.is_mxfp8:
-        values = {"weight": np.asarray(r.packed), "weight_scale": np.asarray(r.scale, np.uint8)}
-    else:
-        values = {"weight_packed": np.asarray(r.packed, np.int32),
-                  "weight_scale": np.asarray(jnp.asarray(r.scale, jnp.float32).astype(jnp.dtype(scale_dtype))),
-                  "weight_shape": np.asarray([n, k], np.int64)}
-        if r.zp is not None:
-            values["weight_zero_point"] = pack_zero_point(np.asarray(r.zp, np.int32), r.scheme.bits)
-    out = {}
-    specs = packed_tensors(module, scheme, (n, k), dtype_name(jnp.dtype(scale_dtype)))
-    for key, (field, shape, dtype) in specs.items():
-        arr = values[field]
-        if tuple(arr.shape) != tuple(shape):
-            raise AssertionError(f"{key}: AutoRound produced {list(arr.shape)}, the layout says {list(shape)}")
-        out[key] = (tuple(shape), dtype, arr)
-    return out
+    scheme = schemes.from_autoround(r.scheme, scale_dtype)
+    # the scales are cast to the layout's dtype (scale_dtype; E8M0 bytes for MXFP8) as they are encoded
+    return packed_entries(module, scheme, (n, k), dtype_name(jnp.dtype(scale_dtype)),
+                          lambda: (np.asarray(r.packed), np.asarray(r.scale), None if r.zp is None else r.zp))
 
 
 def build_quantized_model(ar):
@@ -87,12 +65,11 @@ def build_quantized_model(ar):
             if u.name not in res:
                 continue
             r = res[u.name]
-            ws = weight_scheme(r.scheme, cfg.scale_dtype)
+            ws = schemes.from_autoround(r.scheme, cfg.scale_dtype)
             names = blocks.unit_names(u, i, mcfg.num_experts)
             for e, module in enumerate(names):
                 re_ = r if not u.experts else _expert_slice(r, e)
-                for key, (shape, dt, arr) in _module_tensors(module, re_, cfg.scale_dtype).items():
-                    entries[key] = (tuple(shape), dt, (lambda a=arr: a))
+                entries.update(_module_entries(module, re_, cfg.scale_dtype))
                 groups.setdefault(ws, []).append(module)
                 quantized_modules.add(module)
     kv = None

@@ -17,7 +17,7 @@ from qjax.checkpoint.layout import (
     expected_tensors,
     is_linear,
     mtp_layers,
-    packed_tensors,
+    packed_entries,
     per_expert_layout,
 )
 from qjax.checkpoint.loading import load_from_view
@@ -25,7 +25,7 @@ from qjax.checkpoint.safetensors_io import dtype_name
 from qjax.checkpoint.view import MemoryCheckpoint
 from qjax.model.variables import variable_shapes
 from qjax.quant.config import QuantizationConfig
-from qjax.quant.packing import pack_int32, pack_zero_point, quantize_int, quantize_mxfp8
+from qjax.quant.packing import pack_int32, quantize_int, quantize_mxfp8
 
 
 def quantize_model(model, qconfig: QuantizationConfig | dict):
@@ -72,30 +72,18 @@ def dense_entries(model):
 
 
 def quantized_entries(module: str, scheme, shape, get, weight_dtype, st_dtype) -> dict[str, tuple]:
-    """compressed-tensors tensors of one module (:func:`qjax.checkpoint.layout.packed_tensors`): key → (shape,
+    """compressed-tensors tensors of one module (:func:`qjax.checkpoint.layout.packed_entries`): key → (shape,
     dtype, get); the weight is quantized on the first access and released after the last."""
-    cache: dict[str, np.ndarray] = {}
+    def compute():
+        w = np.asarray(get()).astype(weight_dtype)
+        if scheme.is_mxfp8:
+            values, scale = quantize_mxfp8(w)
+            return values, scale, None
+        try:
+            q, scale, zp = quantize_int(w, scheme.num_bits, symmetric=scheme.symmetric, strategy=scheme.strategy,
+                                        group_size=scheme.group_size, scale_dtype=scheme.scale_dtype)
+        except ValueError as e:
+            raise ValueError(f"{module} {list(w.shape)}: {e}") from None
+        return pack_int32(q, scheme.num_bits), scale, zp
 
-    def field(name):
-        def get_field():
-            if not cache:
-                w = np.asarray(get()).astype(weight_dtype)
-                if scheme.is_mxfp8:
-                    values, scale = quantize_mxfp8(w)
-                    cache.update(weight=values, weight_scale=scale)
-                else:
-                    try:
-                        q, scale, zp = quantize_int(w, scheme.num_bits, symmetric=scheme.symmetric,
-                                                    strategy=scheme.strategy, group_size=scheme.group_size,
-                                                    scale_dtype=scheme.scale_dtype)
-                    except ValueError as e:
-                        raise ValueError(f"{module} {list(w.shape)}: {e}") from None
-                    cache.update(weight_packed=pack_int32(q, scheme.num_bits), weight_scale=scale,
-                                 weight_shape=np.asarray(w.shape, np.int64))
-                    if zp is not None:
-                        cache["weight_zero_point"] = pack_zero_point(zp, scheme.num_bits)
-            return cache.pop(name)
-        return get_field
-
-    specs = packed_tensors(module, scheme, shape, st_dtype)
-    return {key: (disk_shape, dtype, field(name)) for key, (name, disk_shape, dtype) in specs.items()}
+    return packed_entries(module, scheme, tuple(shape), st_dtype, compute)

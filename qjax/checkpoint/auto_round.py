@@ -30,14 +30,16 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
+from qjax.checkpoint.layout import Entry, packed_entries
 from qjax.checkpoint.view import MemoryCheckpoint
 from qjax.model.config import read_config
-from qjax.quant.config import PACK_QUANTIZED, QuantConfigError, QuantizationConfig, WeightScheme
-from qjax.quant.packing import pack_int32, pack_words, pack_zero_point, unpack_int32, unpack_words
+from qjax.quant.config import QuantConfigError, QuantizationConfig
+from qjax.quant.packing import pack_int32, pack_words, unpack_int32, unpack_words
+from qjax.quant.schemes import ArScheme, int_scheme
 from qjax.validation import Fields
 
 __all__ = [
@@ -46,7 +48,6 @@ __all__ = [
     "NATIVE",
     "AWQ",
     "PACKING_FORMATS",
-    "ArScheme",
     "AutoRoundError",
     "AutoRoundCheckpoint",
     "autoround_to_ct",
@@ -66,12 +67,8 @@ PACKING_FORMATS = (GPTQ, NATIVE, AWQ)
 # AutoAWQ's GEMM layout: value i of 8 consecutive output channels sits in nibble _AWQ_ORDER[i] of its word.
 _AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 _AR_FIELDS = ("qweight", "qzeros", "scales")
-_CT_FIELDS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
-_SCALE_ST = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
 logger = logging.getLogger("qjax")
-
-Entry = tuple[tuple[int, ...], str, Callable[[], np.ndarray]]  # (shape on disk, safetensors dtype, get)
 
 
 class AutoRoundError(ValueError):
@@ -81,7 +78,6 @@ class AutoRoundError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------------
 # schemes
 # ---------------------------------------------------------------------------------------------------------------------
-ArScheme = tuple[int, int, bool]  # (bits, group_size (-1: one group per row), sym) of an INT weight-only layer
 
 
 def check_layer_dims(name: str, n: int, k: int, bits: int, group_size: int) -> None:
@@ -280,12 +276,6 @@ def resolve_schemes(quantization_config: Mapping, names: list[str], *, source: s
     return out
 
 
-def _ct_scheme(s: ArScheme) -> WeightScheme:
-    bits, gs, sym = s
-    return WeightScheme(format=PACK_QUANTIZED, num_bits=bits, type="int", symmetric=sym,
-                        strategy="channel" if gs == -1 else "group", group_size=None if gs == -1 else gs)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # auto-round tensors → compressed-tensors tensors
 # ---------------------------------------------------------------------------------------------------------------------
@@ -318,7 +308,7 @@ def autoround_to_ct_tensors(entries: Mapping[str, Entry], quantization_config: M
         g_idx = entries.get(f"{name}.g_idx")
         out.update(_module_entries(name, scheme, fmt, entries, g_idx))
         groups.setdefault(scheme, []).append(name)
-    qc = QuantizationConfig(groups=tuple((f"group_{i}", tuple(names), _ct_scheme(s))
+    qc = QuantizationConfig(groups=tuple((f"group_{i}", tuple(names), int_scheme(*s))
                                          for i, (s, names) in enumerate(groups.items())))
     return qc, out
 
@@ -330,7 +320,8 @@ def _is_ar_field(key: str, schemes: Mapping[str, ArScheme | None]) -> bool:
 
 def _module_entries(name: str, scheme: ArScheme, fmt: str, entries: Mapping[str, Entry],
                     g_idx: Entry | None) -> dict[str, Entry]:
-    """The compressed-tensors entries of one module, decoded together on first access and released after use."""
+    """The compressed-tensors entries of one module (:func:`qjax.checkpoint.layout.packed_entries`), decoded together
+    on first access and released after use."""
     bits, gs, sym = scheme
     qw_shape, _, _ = entries[f"{name}.qweight"]
     sc_shape, sc_dtype, _ = entries[f"{name}.scales"]
@@ -338,27 +329,15 @@ def _module_entries(name: str, scheme: ArScheme, fmt: str, entries: Mapping[str,
     k = qw_shape[0] if fmt == AWQ else qw_shape[0] * 32 // bits
     if gs != -1 and groups != math.ceil(k / gs) or gs == -1 and groups != 1:
         raise AutoRoundError(f"{name}: scales {list(sc_shape)} do not match group_size {gs} for in_features {k}")
-    cache: dict[str, np.ndarray] = {}
 
-    def field(key: str) -> Callable[[], np.ndarray]:
-        def get() -> np.ndarray:
-            if not cache:
-                if g_idx is not None:
-                    _check_g_idx(name, np.asarray(g_idx[2]()), k, gs)
-                packed, scale, zp = autoround_to_ct(*(entries[f"{name}.{f}"][2]() for f in _AR_FIELDS), bits=bits,
-                                                    sym=sym, packing_format=fmt, name=name)
-                cache.update(weight_packed=packed, weight_scale=scale, weight_shape=np.asarray([n, k], np.int64))
-                if zp is not None:
-                    cache["weight_zero_point"] = pack_zero_point(zp, bits)
-            return cache.pop(key)
-        return get
+    def compute():
+        if g_idx is not None:
+            _check_g_idx(name, np.asarray(g_idx[2]()), k, gs)
+        return autoround_to_ct(*(entries[f"{name}.{f}"][2]() for f in _AR_FIELDS), bits=bits, sym=sym,
+                               packing_format=fmt, name=name)
 
-    out = {f"{name}.weight_packed": ((n, k * bits // 32), "I32", field("weight_packed")),
-           f"{name}.weight_scale": ((n, groups), sc_dtype, field("weight_scale")),
-           f"{name}.weight_shape": ((2,), "I64", field("weight_shape"))}
-    if not sym:
-        out[f"{name}.weight_zero_point"] = ((-(-n * bits // 32), groups), "I32", field("weight_zero_point"))
-    return out
+    # scales keep the dtype auto-round stored them in (float16)
+    return packed_entries(name, int_scheme(bits, gs, sym), (n, k), sc_dtype, compute)
 
 
 def _check_g_idx(name: str, g_idx: np.ndarray, k: int, gs: int) -> None:
@@ -383,8 +362,8 @@ class AutoRoundCheckpoint(MemoryCheckpoint):
         super().__init__(ckpt.folder, entries)
 
     def file_of(self, key: str) -> str:
-        module, _, field = key.rpartition(".")
-        src = f"{module}.qweight" if field in _CT_FIELDS and key not in self._disk_keys else key
+        # a converted tensor (weight_packed, weight_scale, ...) lives where its module's qweight does
+        src = key if key in self._disk_keys else f"{key.rpartition('.')[0]}.qweight"
         return self._ckpt.file_of(src)
 
     def close(self) -> None:

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qjax.checkpoint.safetensors_io import dtype_name
+from qjax.checkpoint.safetensors_io import dtype_name, numpy_dtype
 from qjax.model.variables import packed_metas, variable_shapes
+from qjax.quant import schemes
 from qjax.quant.packing import pack_zero_point
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -97,30 +98,35 @@ def expected_tensors(model, leaves: dict[tuple, jax.ShapeDtypeStruct], *, fused_
     return out
 
 
+# which model variable holds each stored field of a packed linear (the float8 ``weight`` of MXFP8 is held in the
+# ``weight_packed`` variable; ``weight_shape`` is checked, not held)
+_HELD_IN = {"weight": "weight_packed", "weight_packed": "weight_packed", "weight_shape": "weight_packed",
+            "weight_scale": "weight_scale", "weight_zero_point": "weight_zero_point"}
+
+
 def _quant_keys(out, name: str, field: str, path: tuple, lead: tuple[int, ...], row0: int, rows: int, cols: int,
                 meta) -> None:
-    """Keys of one field of a packed linear ``name`` stored at ``variable[*lead, row0:row0+rows, :cols]``."""
+    """Keys of one field of a packed linear ``name`` stored at ``variable[*lead, row0:row0+rows, :cols]``: the
+    tensors :func:`packed_tensors` names for it, read back."""
+    if field == "weight_zero_point" and meta.strategy == "tensor":
+        raise LoadError(f"{name}: asymmetric tensor-strategy quantization is not supported")
     start = (*lead, row0, 0)
-    if field == "weight_packed":
-        if meta.fmt == "mxfp8":
-            out[f"{name}.weight"] = Target(path, start, (rows, cols), ("F8_E4M3",))
+    for key, (stored, shape, dtype) in packed_tensors(name, schemes.from_meta(meta), (rows, meta.in_features),
+                                                      "BF16").items():
+        if _HELD_IN[stored] != field:
+            continue
+        if stored == "weight_shape":
+            out[key] = Target(None, (), shape, ("I64", "I32"), "weight_shape", (rows, meta.in_features))
+        elif stored == "weight_zero_point":  # packed along rows on disk, unpacked in memory
+            out[key] = Target(path, start, shape, (dtype,), "zero_point", (meta.bits, rows), mem=(rows, cols))
+        elif stored == "weight_scale":  # int scales: any float dtype (the plan reads which); MXFP8: E8M0 bytes
+            dtypes = (dtype,) if meta.fmt == "mxfp8" else FLOAT
+            if meta.strategy == "tensor":
+                out[key] = Target(path, (*lead, 0, 0), shape, dtypes, mem=(1, 1))
+            else:
+                out[key] = Target(path, start, shape, dtypes)
         else:
-            out[f"{name}.weight_packed"] = Target(path, start, (rows, cols), ("I32",))
-            out[f"{name}.weight_shape"] = Target(None, (), (2,), ("I64", "I32"), "weight_shape",
-                                                 (rows, meta.in_features))
-    elif field == "weight_scale":
-        dtypes = ("U8",) if meta.fmt == "mxfp8" else FLOAT
-        if meta.strategy == "tensor":
-            out[f"{name}.weight_scale"] = Target(path, (*lead, 0, 0), (1,), dtypes, mem=(1, 1))
-        else:
-            out[f"{name}.weight_scale"] = Target(path, start, (rows, cols), dtypes)
-    elif field == "weight_zero_point":
-        if meta.strategy == "tensor":
-            raise LoadError(f"{name}: asymmetric tensor-strategy quantization is not supported")
-        out[f"{name}.weight_zero_point"] = Target(path, start, (-(-rows * meta.bits // 32), cols), ("I32",),
-                                                  "zero_point", (meta.bits, rows), mem=(rows, cols))
-    else:
-        raise AssertionError(field)
+            out[key] = Target(path, start, shape, (dtype,))
 
 
 def _add_layer_keys(out, stem, rest, path, lead, shape, fused, meta):
@@ -202,11 +208,13 @@ def is_linear(module: str) -> bool:
 def packed_tensors(module: str, scheme, shape: tuple[int, int], weight_dtype: str) -> dict[str, tuple]:
     """The tensors compressed-tensors stores for linear ``module`` ``[out, in]`` quantized with ``scheme`` (a
     :class:`qjax.quant.config.WeightScheme`): key → (field, shape on disk, safetensors dtype). Scales are
-    ``weight_dtype`` (the model's) unless the scheme names their dtype."""
+    ``weight_dtype`` (the model's) unless the scheme names their dtype. The one statement of the module layout:
+    the loader's targets (:func:`expected_tensors`) and every writer's tensors (:func:`packed_entries`) derive from
+    it."""
     out_f, in_f = shape
     if scheme.is_mxfp8:
         return {f"{module}.weight": ("weight", (out_f, in_f), "F8_E4M3"),
-                f"{module}.weight_scale": ("weight_scale", (out_f, in_f // 32), "U8")}
+                f"{module}.weight_scale": ("weight_scale", (out_f, -(-in_f // scheme.group_size)), "U8")}
     b = scheme.num_bits
     groups = {"group": -(-in_f // (scheme.group_size or in_f)), "channel": 1, "tensor": 1}[scheme.strategy]
     scale_shape = (1,) if scheme.strategy == "tensor" else (out_f, groups)
@@ -217,6 +225,48 @@ def packed_tensors(module: str, scheme, shape: tuple[int, int], weight_dtype: st
     if not scheme.symmetric:
         out[f"{module}.weight_zero_point"] = ("weight_zero_point", (-(-out_f * b // 32), groups), "I32")
     return out
+
+
+Entry = tuple[tuple[int, ...], str, Callable[[], np.ndarray]]  # (shape on disk, safetensors dtype, get)
+
+
+def packed_entries(module: str, scheme, shape: tuple[int, int], weight_dtype: str,
+                   compute: Callable[[], tuple]) -> dict[str, Entry]:
+    """The compressed-tensors tensors of one quantized module as checkpoint entries (key → (shape, dtype, get)):
+    RTN, AutoRound's assembly and the auto_round reader all encode through here.
+
+    ``compute()`` returns ``(weight, scale, zero_point)``: int32 packed words ``[out, ceil(in·b/32)]`` (or float8
+    E4M3 values ``[out, in]`` for MXFP8), the scales ``[out, G]`` (``[1]`` per tensor; E8M0 bytes for MXFP8) and the
+    signed zero points ``[out, G]`` unpacked (None when symmetric). It runs on the first access; each field is
+    released after it is read, so a module's tensors are held once, briefly.
+    """
+    specs = packed_tensors(module, scheme, shape, weight_dtype)
+    cache: dict[str, np.ndarray] = {}
+
+    def encode() -> None:
+        weight, scale, zero_point = compute()
+        fields = {"weight" if scheme.is_mxfp8 else "weight_packed": np.asarray(weight), "weight_scale": scale}
+        if not scheme.is_mxfp8:
+            fields["weight_shape"] = np.asarray(shape, np.int64)
+        if zero_point is not None:
+            fields["weight_zero_point"] = pack_zero_point(np.asarray(zero_point, np.int32), scheme.num_bits)
+        for key, (field, disk_shape, dtype) in specs.items():
+            arr = np.asarray(fields.pop(field)).astype(numpy_dtype(dtype), copy=False)
+            if tuple(arr.shape) != tuple(disk_shape):
+                raise AssertionError(f"{key}: encoded as {list(arr.shape)}, the layout says {list(disk_shape)}")
+            cache[field] = arr
+        if fields:
+            raise AssertionError(f"{module}: {sorted(fields)} have no place in the layout of {scheme}")
+
+    def getter(field: str) -> Callable[[], np.ndarray]:
+        def get() -> np.ndarray:
+            if field not in cache:
+                cache.clear()
+                encode()
+            return cache.pop(field)
+        return get
+
+    return {key: (tuple(disk_shape), dtype, getter(field)) for key, (field, disk_shape, dtype) in specs.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from qjax.checkpoint.safetensors_io import numpy_dtype
 from qjax.kernels import QuantMeta
 from qjax.model.config import FULL, TextConfig
 from qjax.model.linears import layer_linears
 from qjax.model.quant_spec import ModelQuant
+from qjax.quant import schemes
 from qjax.quant.config import QuantizationConfig, WeightScheme
-
-_SCALE_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8"}
 
 
 class QuantLoadError(ValueError):
@@ -45,7 +45,7 @@ def _meta(name: str, scheme: WeightScheme | None, fmt: str, out_in: tuple[int, i
     if fmt == "mxfp8":
         if k % 32:
             raise QuantLoadError(f"{name}: MXFP8 needs in_features divisible by 32, got {k}")
-        return QuantMeta("mxfp8", 8, 32, k, out, True, "group", "uint8")
+        return schemes.to_meta(scheme, out, k, "uint8")
     group = scheme.group_size if scheme.strategy == "group" else k
     if group < k and k % group:
         # a scale shape can fit by accident (96 on 128 columns needs 2 groups, as 64 does); compressed-tensors
@@ -53,7 +53,7 @@ def _meta(name: str, scheme: WeightScheme | None, fmt: str, out_in: tuple[int, i
         # which compressed-tensors writes (a 64-wide layer under group_size 128).
         raise QuantLoadError(f"{name}: group_size {group} of its config_group does not divide its {k} input columns "
                              f"({source})")
-    return QuantMeta("int", scheme.num_bits, group, k, out, scheme.symmetric, scheme.strategy, scale_dtype)
+    return schemes.to_meta(scheme, out, k, scale_dtype)
 
 
 def plan_quantization(cfg: TextConfig, qc: QuantizationConfig | None, keys: set[str], dtype_of, *,
@@ -80,7 +80,7 @@ def plan_quantization(cfg: TextConfig, qc: QuantizationConfig | None, keys: set[
         if f"{name}.weight_scale" not in keys:
             raise QuantLoadError(f"{name} is stored quantized but {name}.weight_scale is missing (checkpoint of "
                                  f"{source})")
-        return _SCALE_DTYPES.get(dtype_of(f"{name}.weight_scale"), "bfloat16")
+        return numpy_dtype(dtype_of(f"{name}.weight_scale")).name
 
     layers = []
     for i, kind in enumerate(cfg.layer_types):

@@ -1,4 +1,4 @@
-"""Checks of the transformers oracle itself (tests/hf_util.py), so that qjax parity failures point at qjax."""
+"""Checks of the transformers oracle itself (tests/oracles/hf.py), so that qjax parity failures point at qjax."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hf_util import (
+from oracles.hf import (
     hf_generate_greedy,
     hf_logits,
     make_hf_model,

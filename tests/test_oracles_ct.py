@@ -1,4 +1,4 @@
-"""Checks of the compressed-tensors checkpoint generator and float32 oracle (tests/ct_util.py) against docs/formats.md.
+"""Checks of the compressed-tensors checkpoint generator and float32 oracle (tests/oracles/ct.py) against docs/formats.md.
 
 Each recipe is written once per session; the tests then check the on-disk layout per key family (§1, §3, §6, §7),
 decode a few modules independently with numpy from the bit layout of §4 / §5, and sanity-check the dequantized
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from compressed_tensors import QuantizationConfig
-from ct_util import (
+from oracles.ct import (
     ct_dequantized,
     ct_reference_logits,
     ct_reference_model,
@@ -28,7 +28,7 @@ from ct_util import (
     per_expert_weights,
     write_ct_checkpoint,
 )
-from hf_util import hf_logits, make_hf_model, odd_text_config, tiny_text_config
+from oracles.hf import hf_logits, make_hf_model, odd_text_config, tiny_text_config
 from safetensors import safe_open
 
 EXPERTS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hf_util import make_hf_model, save_hf, tiny_text_config
+
+from oracles.hf import make_hf_model, save_hf, tiny_text_config
 
 WORDS = [f"w{i}" for i in range(500)]
 # auto-round's recipe for the RTN comparison: W4A16 g32 with 2-bit g32 experts (group 32 divides every tiny dim)
@@ -52,15 +53,16 @@ def write_calibration(path: str | Path, n: int = NSAMPLES, words: int = SEQLEN +
 
 
 def isolated(func: str, **kwargs):
-    """``ar_util.<func>(**kwargs)`` in a fresh interpreter, its JSON result returned.
+    """``oracles.autoround.<func>(**kwargs)`` in a fresh interpreter, its JSON result returned.
 
     Running auto-round (quantizing, or loading an auto-round checkpoint through transformers) patches transformers
     for the rest of the process — afterwards ``save_pretrained`` writes fused experts and other models compute
     different logits — so every such call is kept out of the test process.
     """
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import ar_util; "
-            "print('RESULT ' + json.dumps(getattr(ar_util, sys.argv[2])(**json.loads(sys.argv[3]))))")
-    p = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), func,
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from oracles import autoround; "
+            "print('RESULT ' + json.dumps(getattr(autoround, sys.argv[2])(**json.loads(sys.argv[3]))))")
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code, tests_dir, func,
                         json.dumps(kwargs)], capture_output=True, text=True, timeout=900)
     if p.returncode != 0:
         raise RuntimeError(f"{func} failed in a subprocess:\n{p.stderr[-4000:]}")

@@ -56,7 +56,15 @@ from compressed_tensors.quantization.utils import calculate_qparams, is_module_q
 from compressed_tensors.quantization.utils.mxfp_utils import should_generate_mx_scales
 from compressed_tensors.utils import get_direct_state_dict, replace_direct_state_dict
 from compressed_tensors.utils.match import match_name, match_targets
-from hf_util import (
+from loguru import logger
+from torch import nn
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5MoeVisionModel
+from transformers.activations import ACT2FN
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import eager_attention_forward
+
+from oracles.hf import (
     _fuse_experts,
     _load_dir,
     _write_shards,
@@ -65,13 +73,6 @@ from hf_util import (
     tiny_vision_config,
     write_official_layout,
 )
-from loguru import logger
-from torch import nn
-from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5MoeVisionModel
-from transformers.activations import ACT2FN
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import eager_attention_forward
 
 FP8_MAX = 448.0  # float8_e4m3fn
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -587,3 +588,36 @@ def ct_reference_logits(folder: str | Path, ids: np.ndarray, *, fp8_kv: bool = F
             model.model.layers[i].self_attn._qjax_kv_scales = pair
         _use_attention(model, _FP8_KV_ATTN, _fp8_kv_attention)
     return hf_logits(model, ids)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the recipes the tests write (llmcompressor-style config groups; conftest's ``ct_ckpt`` writes one folder each)
+# ---------------------------------------------------------------------------------------------------------------------
+EXPERTS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
+IGNORE = ["lm_head", r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$"]
+
+
+def _w(bits, strategy="group", group=None, symmetric=True):
+    return {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy, "group_size": group}
+
+
+def _int_recipe(weights, *, kv=None, scale_dtype="bfloat16"):
+    return {"groups": [{"targets": ["Linear"], "format": "pack-quantized", "weights": weights}], "ignore": IGNORE,
+            "kv_cache": kv, "scale_dtype": scale_dtype}
+
+
+MXFP8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32}
+RECIPES = {
+    "int4_sym_g128": _int_recipe(_w(4, group=128)),
+    "int4_asym_g32": _int_recipe(_w(4, group=32, symmetric=False)),
+    "int8_g32_f16_scales": _int_recipe(_w(8, group=32), scale_dtype="float16"),
+    "int8_channel": _int_recipe(_w(8, strategy="channel")),
+    "int2_asym_channel": _int_recipe(_w(2, strategy="channel", symmetric=False)),
+    "w2_experts_w4_rest": {"groups": [
+        {"targets": [EXPERTS], "format": "pack-quantized", "weights": _w(2, group=64)},
+        {"targets": ["Linear"], "format": "pack-quantized", "weights": _w(4, group=128)}],
+        "ignore": IGNORE, "kv_cache": None},
+    "mxfp8_experts_kv_tensor": {"groups": [{"targets": [EXPERTS], "format": "mxfp8-quantized", "weights": MXFP8}],
+                                "ignore": IGNORE, "kv_cache": {"strategy": "tensor"}},
+    "int4_asym_kv_head": _int_recipe(_w(4, group=32, symmetric=False), kv={"strategy": "attn_head"}),
+}

@@ -1,0 +1,51 @@
+"""The memory planner (qjax.convert.planner): what it predicts is what loading allocates and what RTN writes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+from oracles.hf import tiny_text_config
+from qjax.convert import save_pretrained
+
+import qjax
+
+
+def test_planner_predicts_what_loading_allocates(ct_ckpt):
+    from qjax.convert.planner import plan_folder
+
+    _, folder = ct_ckpt
+    model = qjax.load_model(folder)
+    import jax
+    from flax import nnx
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(model)))
+    assert plan_folder(folder).device_bytes == held
+
+
+def test_planner_recipe_matches_a_real_rtn_checkpoint(tiny_hf, tmp_path):
+    """`inspect --config --recipe` (shapes only) predicts the tensors an RTN checkpoint of that recipe really has."""
+    from qjax.convert.planner import plan_folder, plan_recipe, recipe_to_qconfig
+
+    from qjax.autoround.rtn import quantize_model
+
+    recipe = "experts=int2:g32,rest=int4:g32,lm_head=int8:channel"  # tiny dims: groups must divide 32-wide inputs
+    model = qjax.load_model(tiny_hf[1], dtype=jnp.bfloat16)
+    real = save_pretrained(quantize_model(model, recipe_to_qconfig(recipe)), tmp_path / "w2w4")
+    predicted = plan_recipe(os.path.join(tiny_hf[1], "config.json"), recipe)
+    measured = plan_folder(real)
+    assert predicted.headers == measured.headers
+    assert predicted.device_bytes == measured.device_bytes
+
+
+def test_inspect_cli(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = tiny_text_config()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = subprocess.run([sys.executable, "-m", "qjax.cli", "inspect", "--config", str(tmp_path / "config.json"),
+                        "--recipe", "experts=int2:g64,rest=int4:g128,kv=fp8"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "int2 g64" in r.stdout and "int4 g128" in r.stdout and "KV cache" in r.stdout
