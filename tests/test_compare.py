@@ -8,14 +8,17 @@ logit tolerance is 1e-4 absolute); a perturbed weight moves its block by > 1e-2.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from oracles.ct import RECIPES
 
 import qjax
 
@@ -37,7 +40,8 @@ def test_compare_tiny_checkpoint_against_transformers(tiny_hf):
     names = [r["name"] for r in got["rows"]]
     assert names == ["embed", "block 0", "block 1", "block 2", "block 3", "final norm", "logits"]
     assert [r["kind"] for r in got["rows"][1:5]] == ["linear_attention"] * 3 + ["full_attention"]
-    assert got["tokens"] == 80 and got["qjax_dtype"] == "float32"
+    assert got["tokens"] == 80 and got["qjax_dtype"] == "float32" and got["reference_dtype"] == "float32"
+    assert got["fp8_kv"] == "none" and "0 quantized modules" in got["reference"]
     for r in got["rows"]:
         # 2e-4 absolute as tests/test_model.py explains (two fp32 implementations; 1.6e-4 on the final norm, whose
         # values reach ~5, on an AMD EPYC host), 1e-4 relative
@@ -85,3 +89,94 @@ def test_refusals_name_the_option(capsys, tiny_hf):
     assert main(["compare", "--model", tiny_hf[1], "--ids", "1 2", "--seqlen", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "--ids and --seqlen" in err, err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# every kind of checkpoint the tests build with the real tools
+# ---------------------------------------------------------------------------------------------------------------------
+def _verdict(folder, ids=None):
+    from qjax.evaluation.compare import compare_folder
+
+    ids = np.random.default_rng(2).integers(0, 512, (1, 70)) if ids is None else ids
+    return compare_folder(str(folder), ids, quiet=True)
+
+
+def test_no_diverging_block_on_compressed_tensors_checkpoints(ct_ckpt):
+    """Every recipe compressed-tensors itself writes (INT2/4/8, group/channel, asymmetric, MXFP8, FP8 KV per tensor
+    and per head): the reference is built from compressed-tensors' decompression, so nothing diverges."""
+    name, folder = ct_ckpt
+    report = _verdict(folder)
+    assert report.first_diverging() is None, report.format()
+    assert report.top1_agreement == 1.0
+    kv = RECIPES[name]["kv_cache"] is not None
+    assert report.fp8_kv == ("emulated on both sides" if kv else "none")
+    assert "0 quantized modules" not in report.reference
+
+
+def test_no_diverging_block_on_the_official_layout(official_dir):
+    """transformers' own weights rewritten to the official composite layout (fused experts, visual, MTP)."""
+    report = _verdict(official_dir)
+    assert report.first_diverging() is None and report.top1_agreement == 1.0, report.format()
+
+
+def test_no_diverging_block_on_qjax_exports(tiny_hf, tmp_path):
+    """qjax's own exports: compressed-tensors (the MoE with INT2 experts) and auto_round (GPTQ packing)."""
+    from qjax.convert import save_pretrained
+    from qjax.convert.autoround_writer import save_autoround
+
+    from qjax.autoround.rtn import quantize_model
+
+    def weights(bits):
+        return {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+
+    # the auto_round format holds layers whose dims are multiples of 32 (in_proj_a/b have 4 rows here)
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "ignore": ["lm_head", r"re:.*in_proj_[ab]$", r"re:.*shared_expert_gate$"],
+          "config_groups": {"experts": {"targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+                                        "weights": weights(2)},
+                            "rest": {"targets": ["Linear"], "weights": weights(4)}}}
+    model = quantize_model(qjax.load_model(tiny_hf[1]), qc)
+    for folder in (save_pretrained(model, tmp_path / "ct"), save_autoround(model, tmp_path / "ar")):
+        report = _verdict(folder)
+        assert report.first_diverging() is None and report.top1_agreement == 1.0, (folder, report.format())
+
+
+def test_no_diverging_block_on_an_auto_round_export(tmp_path):
+    """auto-round 0.16.1's own auto_round export (run in a subprocess, as tests/oracles/autoround.py does)."""
+    from oracles.autoround import isolated
+    from oracles.hf import make_hf_model, save_hf, tiny_text_config
+
+    source = save_hf(make_hf_model(tiny_text_config(), seed=0, dtype=torch.bfloat16), tmp_path / "src")
+    folder = isolated("autoround_export_here", source=source, out=str(tmp_path / "ar"), sym=True,
+                      layer_config={".*experts.*": {"bits": 2, "group_size": 16}})
+    report = _verdict(folder)
+    assert report.first_diverging() is None and report.top1_agreement == 1.0, report.format()
+    assert "0 quantized modules" not in report.reference
+
+
+@pytest.mark.parametrize("recipe,layer", [("w2_experts_w4_rest", 0), ("w2_experts_w4_rest", 3),
+                                          ("int4_asym_kv_head", 3)])
+def test_a_corrupted_layer_is_named(hf128, tmp_path, recipe, layer):
+    """qjax's model of a correct checkpoint with one layer's packed weights corrupted in memory (what a wrong
+    decoder or kernel would do) diverges exactly at that block (with FP8 KV too, past its rounding tolerance)."""
+    from oracles.ct import write_ct_checkpoint
+
+    from qjax.evaluation.compare import compare_blocks
+    from qjax.evaluation.torch_reference import build_reference
+
+    calib = np.random.default_rng(0).integers(0, 512, (2, 24))
+    folder = write_ct_checkpoint(hf128, tmp_path / recipe, RECIPES[recipe], calib_ids=calib)
+    model = qjax.load_model(folder)
+    kind = model.config.layer_types[layer]
+    period = len(model.layer_kinds)
+    block = model.groups.layers[layer % period]
+    target = block.linear_attn.out_proj if kind == "linear_attention" else block.self_attn.o_proj
+    packed = np.array(target.weight_packed[...])
+    packed[layer // period, :2] ^= 0x11111111  # one bit of every 4-bit value of two output rows
+    target.weight_packed.set_value(jnp.asarray(packed))
+    ref = build_reference(folder)
+    report = compare_blocks(model, ref.model, np.random.default_rng(2).integers(0, 512, (1, 70)))
+    if ref.fp8_kv:
+        report = dataclasses.replace(report, fp8_kv_from=model.config.layer_types.index("full_attention"))
+    assert report.first_diverging() == layer, report.format()
+    assert f"first diverging block: {layer} ({kind})" in report.format()

@@ -124,7 +124,7 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
     generation_config = GenerationConfig.from_folder(path)  # checked before minutes of loading, not after
     ckpt = Checkpoint(path)
     try:
-        qc, view = _quantization(path, ckpt)
+        qc, view = quantization_view(path, ckpt)
         model = load_from_view(cfg, qc, view, dtype, progress=progress, plan=plan, verify=verify)
     finally:
         ckpt.close()
@@ -132,7 +132,7 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
     return model
 
 
-def _quantization(path: str, ckpt: Checkpoint):
+def quantization_view(path: str, ckpt: Checkpoint):
     """(quantization config or None, the checkpoint view to read): auto-round folders (quant_method "auto-round",
     GPTQ/AWQ packing) are read through a compressed-tensors view."""
     autoround = open_autoround(path, ckpt)
@@ -163,7 +163,7 @@ def _check_folder(path, *, values: bool):
     GenerationConfig.from_folder(path)
     ckpt = Checkpoint(path)
     try:
-        qc, view = _quantization(path, ckpt)
+        qc, view = quantization_view(path, ckpt)
         _, _, targets, _ = _structure(cfg, qc, view, None)
         for key in _ordered(view, targets):
             if values:

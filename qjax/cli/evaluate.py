@@ -24,9 +24,10 @@ FIDELITY_HELP = (
     "given the prompt (teacher forcing) and the next-token top-1 agreement with the reference's greedy tokens.")
 COMPARE_HELP = (
     "Per-block numerics diff against transformers: the same token ids through transformers' Qwen3_5MoeForCausalLM "
-    "(float32, eager attention, CPU; compressed-tensors folders are decompressed by the compressed-tensors package) "
-    "and qjax; error of the embeddings, each decoder block's output, the final norm and the logits. The transformers "
-    "side needs float32 host memory for the whole model.")
+    "(float32, eager attention, CPU) holding the folder's own weights — quantized ones decompressed by "
+    "compressed-tensors (auto_round folders through qjax's bit-exact conversion), static FP8 KV scales emulated on "
+    "both sides — and qjax; error of the embeddings, each decoder block's output, the final norm and the logits. The "
+    "transformers side needs float32 host memory for the whole model.")
 
 
 def _dtype(name):
