@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -193,9 +194,7 @@ def tiny_config(gdn_head_dim: int):
     """A small ``qwen3_5_moe`` text config: three GDN layers and one gated full-attention layer (the real period),
     the real attention head_dim 256 (vLLM's CPU attention takes it), 8 experts top-2 + the shared expert.
 
-    Every quantizable input dimension is a multiple of 32 so each recipe quantizes every linear it names. A larger
-    init range than the default makes the random model's next-token distribution peaked, so a BF16 rounding
-    difference does not decide a near tie.
+    Every quantizable input dimension is a multiple of 32 so each recipe quantizes every linear it names.
     """
     from qjax.model.config import FULL, LINEAR, TextConfig
 
@@ -207,6 +206,23 @@ def tiny_config(gdn_head_dim: int):
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
         partial_rotary_factor=0.25, mrope_section=(11, 11, 10), max_position_embeddings=4096,
         initializer_range=0.1, dtype="bfloat16")
+
+
+# A random model's next-token distribution is nearly flat (log-probs ≈ −ln V, top-1 margins of 0.01), so BF16
+# rounding would decide many greedy steps by a coin toss; a larger lm_head spreads the logits (std ≈ 4) without
+# making every log-prob ≈ 0.
+LM_HEAD_SCALE = 4.0
+
+
+def build_model(cfg, seed: int):
+    import jax.numpy as jnp
+
+    from qjax.runtime.random_model import random_model
+
+    model = random_model(cfg, "bf16", dtype=jnp.bfloat16, seed=seed)
+    w = model.lm_head.weight
+    w.set_value(w[...] * LM_HEAD_SCALE)
+    return model
 
 
 def qjax_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
@@ -245,3 +261,188 @@ def compare(ours: list[dict], theirs: list[dict]) -> dict:
         same = same and len(a["tokens"]) == len(b["tokens"])
     return {"identical": same, "max_dlogprob": max_delta, "first_divergence": first,
             "min_margin": min(min(r["margins"]) for r in ours)}
+
+
+# ---- the report ------------------------------------------------------------------------------------------------------
+
+def cpu_flags() -> str:
+    """``AVX-512: no (AVX2)``: vLLM's CPU kernels for quantized weights are built per instruction set."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return "flags unknown"
+    avx512 = sorted(f for f in flags if f.startswith("avx512"))
+    extra = [n.upper() for n in ("avx2", "amx_bf16") if n in flags]
+    return f"AVX-512: {'yes (' + ', '.join(avx512) + ')' if avx512 else 'no'}; {', '.join(extra) or 'no AVX2'}"
+
+
+def torch_build(venv: str) -> str:
+    probe = "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())"
+    r = subprocess.run([venv_python(venv), "-c", probe], capture_output=True, text=True)
+    if r.returncode:
+        return "torch import failed"
+    version, cuda, available = r.stdout.split()
+    return f"torch {version} (CUDA {cuda} build, GPU {'present' if available == 'True' else 'absent'})"
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(res: dict) -> str:
+    cfg = res["config"]
+    lines = [
+        HEADING,
+        "",
+        f"{res['date']}; {res['machine']}; {res['cpu_flags']}. vLLM side: {VLLM} with {res['torch']}, "
+        f"torchvision {res['versions']['torchvision']}, transformers {res['versions']['transformers']}, "
+        f"Python {res['venv_python']} (venv `{res['venv']}`: {res['install']}). qjax side: this checkout.",
+        "",
+        f"Command: `{res['command']}`",
+        "",
+        f"Models: random `qwen3_5_moe_text` written by `qjax.convert.save_pretrained` — {cfg}. "
+        f"{len(res['prompts'])} prompts of {', '.join(str(len(p)) for p in res['prompts'])} random token ids, "
+        f"{res['max_tokens']} greedy tokens each (eos ignored). vLLM: `LLM(dtype=\"bfloat16\", enforce_eager=True, "
+        "skip_tokenizer_init=True)`, `SamplingParams(temperature=0, logprobs=1)`; qjax: `qjax.load_model` of the same "
+        "folder in BF16, `qjax.generate` (greedy), log-probs from one forward pass over prompt + output. "
+        "Δ log-prob: over the steps where both chose the same token; margin: qjax's smallest top-1 − top-2 logit gap "
+        "over all steps.",
+        "",
+        "| checkpoint | GDN k/v head dim | vLLM | greedy tokens | max \\|Δ log-prob\\| | min margin | vLLM s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in res["runs"]:
+        if "error" in r["vllm"]:
+            status, tokens, delta, margin = f"fails: {cell(r['vllm']['error'])}", "—", "—", "—"
+        else:
+            c = r["compare"]
+            status = "runs"
+            n = sum(len(x["tokens"]) for x in r["qjax"])
+            if c["identical"]:
+                tokens = f"identical ({n}/{n})"
+            else:
+                d = c["first_divergence"]
+                tokens = (f"DIFFER: prompt {d['prompt']} step {d['step']} (qjax {d['qjax']}, vLLM {d['vllm']}, "
+                          f"qjax margin {d['margin']:.3f})")
+            delta, margin = f"{c['max_dlogprob']:.4f}", f"{c['min_margin']:.3f}"
+        lines.append(f"| {r['name']} | {r['gdn']} | {status} | {tokens} | {delta} | {margin} | "
+                     f"{r['vllm'].get('seconds', 0):.0f} |")
+    bf16 = [r for r in res["runs"] if r["recipe"] is None]
+    quant = [r for r in res["runs"] if r["recipe"] is not None]
+    ok = all("error" not in r["vllm"] and r["compare"]["identical"] for r in bf16)
+    runs_q = [r["name"] for r in quant if "error" not in r["vllm"]]
+    lines += ["", f"BF16: {'vLLM runs qjax-written checkpoints with the same greedy tokens' if ok else 'MISMATCH'}. "
+              f"Quantized (RTN, compressed-tensors): "
+              f"{'vLLM runs ' + ', '.join(runs_q) if runs_q else 'vLLM runs none of them on this host'}. "
+              f"Wall time {res['seconds'] / 60:.1f} min."]
+    return "\n".join(lines) + "\n"
+
+
+# ---- main ------------------------------------------------------------------------------------------------------------
+
+def slug(recipe: str) -> str:
+    return recipe.replace("=", "-").replace(",", "_").replace(":", "-")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--venv", default=os.path.expanduser("~/.cache/qjax-interop-vllm"),
+                   help="the vLLM venv; built when missing or when its versions differ")
+    p.add_argument("--python", default=None, help="interpreter for a new venv (default: python3.12, else this one)")
+    p.add_argument("--index-url", default="https://pypi.org/simple", help="index the venv is installed from")
+    p.add_argument("--schemes", default=";".join(SCHEMES), help="';'-separated RTN recipes ('' for none)")
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=int, default=1200, help="seconds one vLLM run may take")
+    p.add_argument("--work", default=None, help="folder for checkpoints and vLLM logs (default: a temporary one, "
+                                                "removed unless a run failed)")
+    p.add_argument("--write-results", action="store_true", help=f"append the block to benchmarks/RESULTS.md "
+                                                                f"under {HEADING!r}")
+    a = p.parse_args(argv)
+    t_start = time.perf_counter()
+    command = "python benchmarks/interop_vllm.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    versions, install_s = ensure_venv(os.path.abspath(a.venv), a.python, a.index_url)
+    install = f"installed in {install_s / 60:.1f} min" if install_s else "already built"
+    print(f"[venv] {versions} ({install})", flush=True)
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax.numpy as jnp  # noqa: F401 - JAX starts here, after the XLA flags below are set
+    import numpy as np
+
+    from qjax import xla_env
+
+    xla_env.apply(single_threaded=True)
+    from report import append, describe
+
+    from qjax.autoround.rtn import quantize_model
+    from qjax.convert import save_pretrained
+    from qjax.convert.planner import recipe_to_qconfig
+
+    work = a.work or tempfile.mkdtemp(prefix="qjax-interop-vllm-")
+    os.makedirs(work, exist_ok=True)
+    rng = np.random.default_rng(0)
+    lengths = [6, 23, 61, 40, 11, 90][:a.prompts]
+    prompts = [rng.integers(0, 1024, n).tolist() for n in lengths]
+    # a recipe is itself comma-separated ("experts=int2:g32,rest=int4:g32"): recipes are separated by ";"
+    schemes = [s.strip() for s in a.schemes.split(";") if s.strip()]
+    # the quantized checkpoints are of the real GDN width (128)
+    plan = [(64, None), (128, None), *[(128, s) for s in schemes]]
+    models = {}
+    runs = []
+    for gdn, recipe in plan:
+        if gdn not in models:
+            models[gdn] = build_model(tiny_config(gdn), seed=gdn)
+        name = f"BF16 GDN {gdn}" if recipe is None else recipe
+        folder = os.path.join(work, f"gdn{gdn}-" + ("bf16" if recipe is None else slug(recipe)))
+        model = models[gdn] if recipe is None else quantize_model(models[gdn], recipe_to_qconfig(recipe))
+        save_pretrained(model, folder, overwrite=True)
+        t0 = time.perf_counter()
+        ours = qjax_greedy(folder, prompts, a.max_tokens)
+        qjax_s = time.perf_counter() - t0
+        theirs = run_vllm(a.venv, folder, prompts, a.max_tokens, a.timeout, folder + ".vllm.log")
+        r = {"name": name, "gdn": gdn, "recipe": recipe, "qjax": ours, "qjax_seconds": qjax_s, "vllm": theirs}
+        if "error" not in theirs:
+            r["compare"] = compare(ours, theirs["rows"])
+        runs.append(r)
+        summary = theirs.get("error") or json.dumps(r["compare"])
+        print(f"[run] {name}: qjax {qjax_s:.0f} s, vLLM {theirs.get('seconds', 0):.0f} s: {summary}", flush=True)
+
+    cfg = tiny_config(64)
+    res = {
+        "date": datetime.date.today().isoformat(),
+        "machine": describe(),
+        "cpu_flags": cpu_flags(),
+        "torch": torch_build(a.venv),
+        "versions": versions,
+        "venv": a.venv,
+        "venv_python": subprocess.run([venv_python(a.venv), "--version"], capture_output=True,
+                                      text=True).stdout.split()[-1],
+        "install": install,
+        "command": command.strip(),
+        "config": f"{cfg.num_hidden_layers} layers (3 GDN + 1 gated full attention, head_dim {cfg.head_dim}), "
+                  f"hidden {cfg.hidden_size}, GDN {cfg.linear_num_key_heads} key / {cfg.linear_num_value_heads} "
+                  f"value heads, {cfg.num_experts} experts top-{cfg.num_experts_per_tok} (+ shared), vocab "
+                  f"{cfg.vocab_size}, lm_head ×{LM_HEAD_SCALE:g}; quantized rows: the GDN-128 model, RTN "
+                  "(`qjax.autoround.rtn.quantize_model`)",
+        "prompts": prompts,
+        "max_tokens": a.max_tokens,
+        "runs": runs,
+        "seconds": time.perf_counter() - t_start,
+    }
+    block = markdown(res)
+    print("\n" + block)
+    if a.write_results:
+        append(block)
+        print("appended to benchmarks/RESULTS.md")
+    failed = any("error" in r["vllm"] and r["recipe"] is None for r in runs)
+    if a.work is None and not failed:
+        shutil.rmtree(work, ignore_errors=True)
+    elif failed:
+        print(f"checkpoints and vLLM logs kept in {work}")
+    return 1 if failed or not all(r["compare"]["identical"] for r in runs if r["recipe"] is None) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from qjax.checkpoint.layout import checkpoint_tensors, mtp_layers
+from qjax.checkpoint.layout import checkpoint_tensors
 from qjax.checkpoint.safetensors_io import INDEX_FILE_NAME, write_safetensors
 from qjax.model.linears import layer_linears
 from qjax.quant import schemes
@@ -36,7 +36,7 @@ def quantization_config(model) -> dict | None:
     consumer resolves every module: transformers 5 (routed experts fused into one ``mlp.experts`` module whose
     tensors it decompresses with the group whose ``re:`` target names the experts), vLLM (fused MoE layers matched
     through their per-expert names) and compressed-tensors on a per-expert model. A kind whose layers do not all
-    share one scheme gets per-layer patterns; dense kinds go to ``ignore`` (the MTP head is always dense).
+    share one scheme gets per-layer patterns; dense kinds go to ``ignore``, and so does the MTP head (always dense).
     """
     quant = getattr(model, "quant", None)
     if quant is None:
@@ -54,8 +54,7 @@ def quantization_config(model) -> dict | None:
         targets.setdefault(schemes.from_meta(quant.lm_head), []).append("lm_head")
     ignore = ["lm_head"] if quant.lm_head is None else []
     ignore += _patterns(dense)
-    if mtp_layers(model):
-        ignore.append(MTP_PATTERN)
+    ignore.append(MTP_PATTERN)  # qjax never quantizes the MTP head; a consumer that builds it keeps it dense
     kv = None if quant.kv_cache is None else KVCacheScheme(num_bits=8, type="float", strategy=quant.kv_cache)
     # the experts' group first: transformers 5 takes the first group whose re: targets name the experts
     order = sorted(targets.items(), key=lambda kv_: not any(EXPERTS_WORD in t for t in kv_[1]))

@@ -211,3 +211,54 @@ def test_transformers_limits_are_named_and_hit_the_real_tools_too(name, hf128, t
             continue
         got = _logits(hf, ids)
         assert np.abs(got - ct_reference_logits(folder, ids, fp8_kv=fp8_kv)).max() > 1e-2, folder
+
+
+def test_targets_resolve_every_module_to_its_scheme(tiny_hf):
+    """compressed-tensors' own matching of the written config gives every module (per-expert names, as vLLM and a
+    per-expert model name them) the scheme qjax quantized it with, and leaves dense ones dense — with a kind whose
+    layers differ (per-layer patterns) and a dense kind."""
+    from compressed_tensors.utils.match import match_name
+    from qjax.convert.hf_writer import consumer_limits, quantization_config
+
+    from qjax.autoround.rtn import quantize_model
+    from qjax.model.linears import layer_linears
+    from qjax.quant import schemes
+
+    def weights(bits, group=32):
+        return {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
+
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "ignore": ["lm_head", r"re:.*shared_expert_gate$", r"re:.*in_proj_[ab]$"],
+          "config_groups": {"layer0_out": {"targets": ["model.layers.0.linear_attn.out_proj"], "weights": weights(8)},
+                            "experts": {"targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+                                        "weights": weights(2)},
+                            "rest": {"targets": ["Linear"], "weights": weights(4)}}}
+    model = quantize_model(qjax.load_model(tiny_hf[1], dtype=jnp.float32), qc)
+    written = quantization_config(model)
+    groups = [(g["targets"], (g["weights"]["num_bits"], g["weights"]["group_size"]))
+              for g in written["config_groups"].values()]
+    assert any(r"layers\.0\." in t for targets, _ in groups for t in targets)  # out_proj differs by layer
+    assert any("in_proj_a" in t for t in written["ignore"])  # a dense kind
+
+    def resolved(module):
+        if any(match_name(module, t) for t in written["ignore"]):
+            return None
+        return next((scheme for targets, scheme in groups if any(match_name(module, t) for t in targets)), None)
+
+    cfg = model.config
+    checked = 0
+    for i, kind in enumerate(cfg.layer_types):
+        metas = model.quant.layer(i)
+        names = {f"model.layers.{i}.{rel}": metas.get(rel) for rel in layer_linears(cfg, kind)}
+        for e in range(cfg.num_experts):
+            for proj, stacked in (("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"),
+                                  ("down_proj", "down_proj")):
+                names[f"model.layers.{i}.mlp.experts.{e}.{proj}"] = metas.get(f"mlp.experts.{stacked}")
+        for module, meta in names.items():
+            want = None if meta is None else (meta.bits, meta.group_size)
+            assert resolved(module) == want, module
+            checked += 1
+    assert resolved("lm_head") is None and resolved("mtp.layers.0.self_attn.q_proj") is None
+    assert checked > 100
+    assert {schemes.from_meta(m).num_bits for layer in model.quant.layers for _, m in layer} == {2, 4, 8}
+    assert consumer_limits(model) == []
