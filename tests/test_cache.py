@@ -29,6 +29,7 @@ def _fwd(graphdef, state, cache, ids, mask, rows, kv_len):
     return out.logits, out.cache
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_rows_in_chunks_equal_each_sequence_alone(model):
     g, s = nnx.split(model)
     rng = np.random.default_rng(0)

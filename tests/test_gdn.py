@@ -27,6 +27,7 @@ def _inputs(b, t, hk, hv, dk, dv, seed):
 
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 77, 130])
 @pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_chunked_equals_recurrent(t, with_state):
     q, k, v, g, beta, s0 = _inputs(2, t, 2, 4, 16, 12, seed=t)
     init = jnp.asarray(s0) if with_state else None
@@ -48,6 +49,7 @@ def test_unit_lower_inverse(c):
         unit_lower_inverse(jnp.eye(6))
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_chunked_gradient_matches_recurrent():
     """AutoRound and training differentiate the chunked form: its gradient must be the recurrence's."""
     q, k, v, g, beta, s0 = _inputs(1, 70, 2, 4, 8, 8, seed=3)
@@ -81,6 +83,7 @@ def test_against_transformers_reference():
     assert np.abs(np.asarray(s_c) - s_ch.numpy()).max() <= 1e-5
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_zero_beta_and_decay_steps_leave_state_unchanged():
     """Padding is β = g = 0 (and zero q/k/v): the state passes through untouched in both forms."""
     q, k, v, g, beta, s0 = _inputs(1, 70, 2, 4, 8, 8, seed=1)

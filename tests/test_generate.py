@@ -22,6 +22,7 @@ def tiny(tiny_hf):
 
 
 @pytest.mark.parametrize("prefill", [12, 63, 64, 65])
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_prefill_then_decode_equals_full_forward(tiny, prefill):
     _, model = tiny
     total = prefill + 12
@@ -36,6 +37,7 @@ def test_prefill_then_decode_equals_full_forward(tiny, prefill):
     assert np.abs(np.concatenate(steps, axis=1) - full).max() <= TOL
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_multi_token_continuation_from_cache(tiny):
     _, model = tiny
     ids = np.random.default_rng(1).integers(0, 512, (1, 90)).astype(np.int32)
@@ -46,6 +48,7 @@ def test_multi_token_continuation_from_cache(tiny):
     assert np.abs(np.concatenate([np.asarray(a), np.asarray(b)], 1) - full).max() <= TOL
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_greedy_matches_transformers_generate(tiny):
     hf, model = tiny
     prompt = np.array([[172, 47, 117, 192, 323, 251, 195, 359, 9, 211]])
@@ -54,6 +57,7 @@ def test_greedy_matches_transformers_generate(tiny):
     np.testing.assert_array_equal(ours, theirs)
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_left_padded_batch_equals_each_prompt_alone(tiny):
     _, model = tiny
     rng = np.random.default_rng(7)
@@ -70,6 +74,7 @@ def test_left_padded_batch_equals_each_prompt_alone(tiny):
         np.testing.assert_array_equal(batch[i, width:], alone[0, len(p):])
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_stop_tokens_and_padding(tiny):
     _, model = tiny
     prompt = np.array([[172, 47, 117, 192, 323, 251, 195, 359, 9, 211]])
@@ -81,6 +86,7 @@ def test_stop_tokens_and_padding(tiny):
     assert len(out) == first + 1  # a single row stops the loop as soon as it emits its stop token
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_stream_yields_the_same_tokens_as_generate(tiny):
     _, model = tiny
     prompt = np.array([[5, 6, 7, 8]])

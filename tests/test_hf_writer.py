@@ -14,6 +14,7 @@ from qjax.convert import save_pretrained
 import qjax
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_round_trip_through_transformers(official_dir, tmp_path):
     from transformers import Qwen3_5MoeForCausalLM
 
@@ -69,6 +70,7 @@ def test_existing_target_is_protected_and_failed_write_leaves_nothing(tiny_hf, t
     qjax.load_model(target)  # the old checkpoint is intact
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_write_back_is_byte_identical(ct_ckpt, tmp_path):
     from qjax.checkpoint.safetensors_io import SafetensorsFile
 

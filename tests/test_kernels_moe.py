@@ -457,6 +457,7 @@ def test_odd_shapeslower_for_h200(name, fn, specs):
 
 
 @pytest.mark.parametrize("n", [37, 3])
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_dropped_slots(n):
     """Ids outside [0, E) (how expert parallelism passes other devices' experts) add nothing: equal to the same
     routing with those slots' weights zeroed — for the Pallas kernels (both alignments) and every reference path."""

@@ -147,6 +147,7 @@ def test_config_composite_interval_and_validation():
 # ---------------------------------------------------------------------------------------------------------------------
 # compressed-tensors checkpoints
 # ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_weights_bit_exact_vs_compressed_tensors(ct_ckpt):
     name, folder = ct_ckpt
     model = qjax.load_model(folder)
@@ -175,6 +176,7 @@ def test_weights_stay_packed_in_memory(ct_ckpt):
     assert not any(p[:-1] in modules and p[-1] == "weight" for p in leaves)
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_logits_match_decompressed_transformers(ct_ckpt):
     name, folder = ct_ckpt
     model = qjax.load_model(folder, dtype=jnp.float32)
@@ -184,6 +186,7 @@ def test_logits_match_decompressed_transformers(ct_ckpt):
     assert np.abs(got - want).max() <= TOL
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_cached_decode_equals_forward_with_fp8_kv(ct_ckpt):
     name, folder = ct_ckpt
     if RECIPES[name]["kv_cache"] is None:
@@ -205,6 +208,7 @@ def test_cached_decode_equals_forward_with_fp8_kv(ct_ckpt):
     assert np.abs(np.concatenate(steps, 1) - full).max() <= 2e-3
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_official_layout_quantized(hf128, tmp_path):
     folder = write_ct_checkpoint(hf128, tmp_path / "official", RECIPES["w2_experts_w4_rest"], official_layout=True)
     cfg = json.load(open(os.path.join(folder, "config.json")))

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from oracles.hf import (
     hf_generate_greedy,
@@ -158,6 +159,7 @@ def test_generate_greedy_matches_argmax_loop(tiny_hf: tuple[torch.nn.Module, str
     np.testing.assert_array_equal(seqs, manual)
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_odd_config_prefill_matches_token_by_token(odd_hf: tuple[torch.nn.Module, str]) -> None:
     """The odd config runs in transformers, and its chunked prefill (T = 77 > 64-token GDN chunk) equals decoding
     one token at a time through the cache, i.e. the oracle is self-consistent for odd shapes."""

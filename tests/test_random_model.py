@@ -22,6 +22,7 @@ RECIPES = ["bf16", "experts=int2:g32,attn=int4:g32:asym,rest=int8:g32", "experts
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_random_model_is_a_real_model_of_the_recipe(recipe, tmp_path):
     raw = tiny_text_config()
     cfg = TextConfig.from_dict(raw)

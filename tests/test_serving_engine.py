@@ -74,6 +74,7 @@ def _run_in_waves(engine: Engine, prompts, params) -> dict[int, list]:
     return got
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_joining_and_leaving_requests_equal_generate_alone(model, engine):
     prompts, params = _requests(0)
     got = _run_in_waves(engine, prompts, params)
@@ -134,6 +135,7 @@ def test_prompt_logprobs_equal_the_full_forward(model, engine):
     assert sum(t[0] == int(a) for t, a in zip(top, logits[:-1].argmax(-1))) >= 88  # near-ties may swap
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_fp8_kv_cache_keeps_its_scales(model):
     from flax import nnx
 

@@ -567,6 +567,7 @@ def test_a_broken_checkpoint_gets_its_named_error(case, bases, tmp_path, run_cli
         assert fragment in err, (fragment, err)
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_the_cli_names_the_error_and_hides_the_traceback(bases, tmp_path, run_cli):
     case = next(c for c in ALL_CASES if c.name == "st-nan-bf16")
     folder = _case_folder(case, bases, tmp_path)
