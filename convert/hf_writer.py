@@ -32,7 +32,7 @@ logger = logging.getLogger("qjax")
 def quantization_config(model) -> dict | None:
     """The compressed-tensors ``quantization_config`` of a quantized model: one config group per distinct scheme.
 
-    Targets are ``re:`` patterns by module kind, as llmcompressor writes them (docs/formats.md §8), so that every
+    Targets are ``re:`` patterns by module kind, as llmcompressor writes them (docs/formats.md §10), so that every
     consumer resolves every module: transformers 5 (routed experts fused into one ``mlp.experts`` module whose
     tensors it decompresses with the group whose ``re:`` target names the experts), vLLM (fused MoE layers matched
     through their per-expert names) and compressed-tensors on a per-expert model. A kind whose layers do not all
@@ -78,7 +78,7 @@ def schemes_by_kind(model) -> dict[str, dict[int, WeightScheme | None]]:
     return by_kind
 
 
-# Layers vLLM builds from several checkpoint modules; it needs one scheme for all of them (docs/formats.md §8)
+# Layers vLLM builds from several checkpoint modules; it needs one scheme for all of them (docs/formats.md §10.2)
 VLLM_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
               ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
               ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),

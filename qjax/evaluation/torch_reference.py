@@ -4,7 +4,7 @@ transformers' ``Qwen3_5MoeForCausalLM`` in float32 with eager attention, whose w
 dense ones upcast, quantized ones decompressed by compressed-tensors' own compressors (``decompress`` of the scheme
 compressed-tensors' matching picks for the module), routed experts fused into transformers 5's ``[E, …]`` stacks.
 transformers' ``from_pretrained`` is not used: on quantized folders it can leave tensors at their random init or
-decompress them with another group's scheme (docs/formats.md §8), and the diff would then blame qjax.
+decompress them with another group's scheme (docs/formats.md §10.2), and the diff would then blame qjax.
 
 auto_round folders (GPTQ/AWQ packing) are read through qjax's bit-exact conversion to compressed-tensors' layout
 (:mod:`qjax.checkpoint.auto_round`, checked against auto-round's own packing in the tests), then decompressed the
