@@ -8,7 +8,6 @@ logit tolerance is 1e-4 absolute); a perturbed weight moves its block by > 1e-2.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import subprocess
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from oracles.ct import RECIPES
+from oracles.ct import RECIPES, int_weights
 
 import qjax
 
@@ -126,15 +125,12 @@ def test_no_diverging_block_on_qjax_exports(tiny_hf, tmp_path):
 
     from qjax.autoround.rtn import quantize_model
 
-    def weights(bits):
-        return {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
-
     # the auto_round format holds layers whose dims are multiples of 32 (in_proj_a/b have 4 rows here)
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
           "ignore": ["lm_head", r"re:.*in_proj_[ab]$", r"re:.*shared_expert_gate$"],
           "config_groups": {"experts": {"targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
-                                        "weights": weights(2)},
-                            "rest": {"targets": ["Linear"], "weights": weights(4)}}}
+                                        "weights": int_weights(2, group=32)},
+                            "rest": {"targets": ["Linear"], "weights": int_weights(4, group=32)}}}
     model = quantize_model(qjax.load_model(tiny_hf[1]), qc)
     for folder in (save_pretrained(model, tmp_path / "ct"), save_autoround(model, tmp_path / "ar")):
         report = _verdict(folder)
@@ -175,8 +171,6 @@ def test_a_corrupted_layer_is_named(hf128, tmp_path, recipe, layer):
     packed[layer // period, :2] ^= 0x11111111  # one bit of every 4-bit value of two output rows
     target.weight_packed.set_value(jnp.asarray(packed))
     ref = build_reference(folder)
-    report = compare_blocks(model, ref.model, np.random.default_rng(2).integers(0, 512, (1, 70)))
-    if ref.fp8_kv:
-        report = dataclasses.replace(report, fp8_kv_from=model.config.layer_types.index("full_attention"))
+    report = compare_blocks(model, ref.model, np.random.default_rng(2).integers(0, 512, (1, 70)), fp8_kv=ref.fp8_kv)
     assert report.first_diverging() == layer, report.format()
     assert f"first diverging block: {layer} ({kind})" in report.format()

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from oracles.ct import IGNORE, int_weights
 from qjax.convert import save_pretrained
 
 import qjax
@@ -156,26 +157,24 @@ def test_export_loads_in_transformers(name, tiny_hf, tmp_path, caplog):
     assert np.abs(theirs - np.asarray(model(ids))).max() <= EXPORT_TOL
 
 
-def _w(bits, group, symmetric=True):
-    return {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group}
-
-
-_IGNORE = ["lm_head", r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$"]
 _ATTN = r"re:.*self_attn\.(q|k|v|o)_proj$"
 # checkpoints compressed-tensors itself writes that transformers 5.24 cannot run right → the limit qjax names
 LIMITED = {
-    "asymmetric": ({"groups": [{"targets": ["Linear"], "format": "pack-quantized", "weights": _w(4, 32, False)}],
-                    "ignore": _IGNORE, "kv_cache": None}, "asymmetric pack-quantized"),
+    "asymmetric": ({"groups": [{"targets": ["Linear"], "format": "pack-quantized",
+                                "weights": int_weights(4, group=32, symmetric=False)}],
+                    "ignore": IGNORE, "kv_cache": None}, "asymmetric pack-quantized"),
     "mxfp8_experts": ({"groups": [{"targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
                                    "format": "mxfp8-quantized", "weights": {"num_bits": 8, "type": "float",
                                    "symmetric": True, "strategy": "group", "group_size": 32}}],
-                       "ignore": _IGNORE, "kv_cache": None}, "MXFP8 experts"),
+                       "ignore": IGNORE, "kv_cache": None}, "MXFP8 experts"),
     "half_quantized_experts": ({"groups": [
-        {"targets": [r"re:.*mlp\.experts\.\d+\.(gate|up)_proj$"], "format": "pack-quantized", "weights": _w(4, 32)},
-        {"targets": [_ATTN], "format": "pack-quantized", "weights": _w(8, 32)}],
-        "ignore": _IGNORE, "kv_cache": None}, "one scheme"),
-    "fp8_kv": ({"groups": [{"targets": [_ATTN], "format": "pack-quantized", "weights": _w(4, 32)}],
-                "ignore": _IGNORE, "kv_cache": {"strategy": "tensor"}}, "kv_cache_scheme"),
+        {"targets": [r"re:.*mlp\.experts\.\d+\.(gate|up)_proj$"], "format": "pack-quantized",
+         "weights": int_weights(4, group=32)},
+        {"targets": [_ATTN], "format": "pack-quantized", "weights": int_weights(8, group=32)}],
+        "ignore": IGNORE, "kv_cache": None}, "one scheme"),
+    "fp8_kv": ({"groups": [{"targets": [_ATTN], "format": "pack-quantized",
+                            "weights": int_weights(4, group=32)}],
+                "ignore": IGNORE, "kv_cache": {"strategy": "tensor"}}, "kv_cache_scheme"),
 }
 
 
@@ -226,15 +225,13 @@ def test_targets_resolve_every_module_to_its_scheme(tiny_hf):
     from qjax.model.linears import layer_linears
     from qjax.quant import schemes
 
-    def weights(bits, group=32):
-        return {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
-
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
           "ignore": ["lm_head", r"re:.*shared_expert_gate$", r"re:.*in_proj_[ab]$"],
-          "config_groups": {"layer0_out": {"targets": ["model.layers.0.linear_attn.out_proj"], "weights": weights(8)},
+          "config_groups": {"layer0_out": {"targets": ["model.layers.0.linear_attn.out_proj"],
+                                           "weights": int_weights(8, group=32)},
                             "experts": {"targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
-                                        "weights": weights(2)},
-                            "rest": {"targets": ["Linear"], "weights": weights(4)}}}
+                                        "weights": int_weights(2, group=32)},
+                            "rest": {"targets": ["Linear"], "weights": int_weights(4, group=32)}}}
     model = quantize_model(qjax.load_model(tiny_hf[1], dtype=jnp.float32), qc)
     written = quantization_config(model)
     groups = [(g["targets"], (g["weights"]["num_bits"], g["weights"]["group_size"]))

@@ -111,6 +111,7 @@ def _quant_keys(out, name: str, field: str, path: tuple, lead: tuple[int, ...], 
     if field == "weight_zero_point" and meta.strategy == "tensor":
         raise LoadError(f"{name}: asymmetric tensor-strategy quantization is not supported")
     start = (*lead, row0, 0)
+    # the weight dtype argument only names int scales' dtype, which the loader does not fix (any float is read)
     for key, (stored, shape, dtype) in packed_tensors(name, schemes.from_meta(meta), (rows, meta.in_features),
                                                       "BF16").items():
         if _HELD_IN[stored] != field:

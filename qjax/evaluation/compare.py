@@ -70,9 +70,13 @@ class CompareReport:
     tokens: int
     qjax_dtype: str
     reference_dtype: str = "float32"
-    fp8_kv: str = "none"  # "emulated on both sides" when the folder has static FP8 KV scales
     reference: str = "transformers"  # how the reference was built (versions, decompressed modules)
     fp8_kv_from: int | None = None  # first full-attention block when FP8 KV is emulated (FP8_KV_TOL applies from it)
+
+    @property
+    def fp8_kv(self) -> str:
+        """How the FP8 KV cache is handled: "emulated on both sides" (static scales in the folder) or "none"."""
+        return "none" if self.fp8_kv_from is None else "emulated on both sides"
 
     def block_tol(self, row: DiffRow, tol: float = DEFAULT_TOL) -> float:
         """The tolerance a block row is judged by (``tol``, or FP8_KV_TOL past an FP8-emulated attention)."""
@@ -144,8 +148,10 @@ def _jit_states(graphdef, state, ids):
     return out.hidden_states, out.hidden, out.logits
 
 
-def compare_blocks(model, hf, ids) -> CompareReport:
+def compare_blocks(model, hf, ids, *, fp8_kv: bool = False) -> CompareReport:
     """Run ``ids [B, T]`` through the qjax ``model`` and the transformers ``hf`` model and diff every block.
+    ``fp8_kv``: both sides quantize K/V to E4M3 (blocks from the first full-attention one on are judged with
+    FP8_KV_TOL).
 
     Returns:
       a :class:`CompareReport` (rows: embed, block 0..L-1, final norm, logits).
@@ -167,7 +173,10 @@ def compare_blocks(model, hf, ids) -> CompareReport:
     rows.append(diff(got_norm, want_norm, "final norm"))
     rows.append(diff(got_logits, want_logits, "logits"))
     agree = float(np.mean(np.argmax(got_logits, -1) == np.argmax(want_logits, -1)))
-    return CompareReport(rows=rows, top1_agreement=agree, tokens=int(ids.size), qjax_dtype=str(model.dtype))
+    kinds = model.config.layer_types
+    first_full = kinds.index("full_attention") if fp8_kv and "full_attention" in kinds else None
+    return CompareReport(rows=rows, top1_agreement=agree, tokens=int(ids.size), qjax_dtype=str(model.dtype),
+                         fp8_kv_from=first_full)
 
 
 def compare_folder(folder: str, ids, *, dtype=None, quiet: bool = False) -> CompareReport:
@@ -189,13 +198,9 @@ def compare_folder(folder: str, ids, *, dtype=None, quiet: bool = False) -> Comp
     except ReferenceError as e:
         raise CompareError(f"--model {folder}: no reference: {e}") from None
     model = qjax.load_model(folder, dtype=jnp.dtype(dtype) if dtype else jnp.float32)
-    if bool(getattr(model, "kv_fp8", False)) != ref.fp8_kv:
+    if model.kv_fp8 != ref.fp8_kv:
         raise CompareError(f"--model {folder}: qjax {'runs' if model.kv_fp8 else 'does not run'} an FP8 KV cache but "
                            "the reference would not match it")
-    report = compare_blocks(model, ref.model, ids)
+    report = compare_blocks(model, ref.model, ids, fp8_kv=ref.fp8_kv)
     what = f"{ref.versions}; {ref.decompressed} quantized modules decompressed by compressed-tensors"
-    first_full = model.config.layer_types.index("full_attention") if "full_attention" in model.config.layer_types \
-        else None
-    return dataclasses.replace(report, reference_dtype=ref.dtype, reference=what,
-                               fp8_kv="emulated on both sides" if ref.fp8_kv else "none",
-                               fp8_kv_from=first_full if ref.fp8_kv else None)
+    return dataclasses.replace(report, reference_dtype=ref.dtype, reference=what)

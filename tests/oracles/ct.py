@@ -597,7 +597,8 @@ EXPERTS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 IGNORE = ["lm_head", r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$"]
 
 
-def _w(bits, strategy="group", group=None, symmetric=True):
+def int_weights(bits, strategy="group", group=None, symmetric=True):
+    """The ``weights`` entry of an INT config group."""
     return {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy, "group_size": group}
 
 
@@ -608,16 +609,16 @@ def _int_recipe(weights, *, kv=None, scale_dtype="bfloat16"):
 
 MXFP8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32}
 RECIPES = {
-    "int4_sym_g128": _int_recipe(_w(4, group=128)),
-    "int4_asym_g32": _int_recipe(_w(4, group=32, symmetric=False)),
-    "int8_g32_f16_scales": _int_recipe(_w(8, group=32), scale_dtype="float16"),
-    "int8_channel": _int_recipe(_w(8, strategy="channel")),
-    "int2_asym_channel": _int_recipe(_w(2, strategy="channel", symmetric=False)),
+    "int4_sym_g128": _int_recipe(int_weights(4, group=128)),
+    "int4_asym_g32": _int_recipe(int_weights(4, group=32, symmetric=False)),
+    "int8_g32_f16_scales": _int_recipe(int_weights(8, group=32), scale_dtype="float16"),
+    "int8_channel": _int_recipe(int_weights(8, strategy="channel")),
+    "int2_asym_channel": _int_recipe(int_weights(2, strategy="channel", symmetric=False)),
     "w2_experts_w4_rest": {"groups": [
-        {"targets": [EXPERTS], "format": "pack-quantized", "weights": _w(2, group=64)},
-        {"targets": ["Linear"], "format": "pack-quantized", "weights": _w(4, group=128)}],
+        {"targets": [EXPERTS], "format": "pack-quantized", "weights": int_weights(2, group=64)},
+        {"targets": ["Linear"], "format": "pack-quantized", "weights": int_weights(4, group=128)}],
         "ignore": IGNORE, "kv_cache": None},
     "mxfp8_experts_kv_tensor": {"groups": [{"targets": [EXPERTS], "format": "mxfp8-quantized", "weights": MXFP8}],
                                 "ignore": IGNORE, "kv_cache": {"strategy": "tensor"}},
-    "int4_asym_kv_head": _int_recipe(_w(4, group=32, symmetric=False), kv={"strategy": "attn_head"}),
+    "int4_asym_kv_head": _int_recipe(int_weights(4, group=32, symmetric=False), kv={"strategy": "attn_head"}),
 }
