@@ -115,6 +115,63 @@ def test_jsonl_paragraphs_tokenize_like_the_text(tmp_path):
         np.testing.assert_array_equal(tokenize_texts(read_texts(str(tmp_path / name)), tok), want)
 
 
+def _short_text(tmp_path, n_chars: int = 300) -> tuple[str, np.ndarray]:
+    """(path, token ids) of the first ``n_chars`` characters of heldout.txt: ~70 tokens, fewer than --seqlen 256."""
+    from qjax.evaluation.evaluate import load_tokenizer, read_texts, tokenize_texts
+
+    with open(os.path.join(BUILTIN, "heldout.txt"), encoding="utf-8") as f:
+        text = f.read()[:n_chars]
+    path = tmp_path / "short.txt"
+    path.write_text(text, encoding="utf-8")
+    return str(path), tokenize_texts(read_texts(str(path)), load_tokenizer(BUILTIN))
+
+
+def test_text_shorter_than_seqlen_is_one_window_of_its_length(tmp_path, reference):
+    import jax.numpy as jnp
+
+    from qjax.evaluation.evaluate import mean_nll, perplexity_of_file
+
+    path, ids = _short_text(tmp_path)
+    assert 2 < ids.size < 257
+    r = perplexity_of_file(BUILTIN, path, seqlen=256, dtype=jnp.float32)
+    assert (r.seqlen, r.requested_seqlen, r.windows, r.data_tokens, r.scored_tokens, r.unscored_tail) == \
+        (ids.size - 1, 256, 1, ids.size, ids.size - 1, 0)
+    assert r.note == f"{path} has {ids.size} tokens, fewer than --seqlen 256 + 1: scored as one window of {ids.size - 1}"
+    # the same program on the same float32 weights: the same number
+    assert (r.mean_nll, r.scored_tokens) == mean_nll(reference, ids, seqlen=ids.size - 1)
+    assert r.ppl == math.exp(r.mean_nll)
+    assert f"{ids.size} tokens → 1 window of {ids.size - 1} (--seqlen 256 requested" in r.format()
+    assert r.to_dict()["requested_seqlen"] == 256
+
+    # a text of at least one window keeps the requested seqlen and says nothing more
+    whole = perplexity_of_file(BUILTIN, path, seqlen=ids.size - 1, dtype=jnp.float32)
+    assert (whole.seqlen, whole.requested_seqlen, whole.note) == (ids.size - 1, None, None)
+    assert whole.mean_nll == r.mean_nll
+    assert "requested_seqlen" not in whole.to_dict() and "note" not in whole.to_dict()
+    assert "requested" not in whole.format()
+
+
+def test_short_text_cli_prints_a_note_and_scores_it(capsys, tmp_path):
+    from qjax.cli import main
+
+    path, ids = _short_text(tmp_path)
+    assert main(["eval", "ppl", "--data", path, "--seqlen", "256", "--dtype", "float32", "--json", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip() == (f"qjax eval ppl: note: {path} has {ids.size} tokens, fewer than --seqlen 256 + 1: scored "
+                           f"as one window of {ids.size - 1}")
+    got = json.loads(out)
+    assert (got["seqlen"], got["requested_seqlen"], got["windows"], got["scored_tokens"]) == \
+        (ids.size - 1, 256, 1, ids.size - 1)
+    assert math.isfinite(got["ppl"]) and got["ppl"] > 1
+
+    # --max-tokens cutting the text below one window: the same rule, the note names --max-tokens
+    assert main(["eval", "ppl", "--seqlen", "256", "--max-tokens", "100", "--dtype", "float32", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip() == ("qjax eval ppl: note: --max-tokens 100 keeps 100 tokens, fewer than --seqlen 256 + 1: "
+                           "scored as one window of 99")
+    assert "100 tokens → 1 window of 99 (--seqlen 256 requested: fewer than 257 tokens); 99 tokens scored" in out
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # eval fidelity
 # ---------------------------------------------------------------------------------------------------------------------
@@ -214,12 +271,13 @@ def test_refusals_name_the_file_or_option(capsys, tmp_path, tiny_hf, prompts_fil
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n  \n")
     assert str(empty) in _main(capsys, "eval", "ppl", "--data", str(empty))
+    one = tmp_path / "one.txt"
+    one.write_text("a")  # one token: nothing to predict (a short text of ≥ 2 tokens is one window of its own length)
+    err = _main(capsys, "eval", "ppl", "--data", str(one), "--seqlen", "256")
+    assert err == f"error: --data {one} holds 1 token; perplexity needs at least 2 (one to read, one to predict)"
+    assert "Traceback" not in err
     short = tmp_path / "short.txt"
     short.write_text("Only a few words here.")
-    err = _main(capsys, "eval", "ppl", "--data", str(short), "--seqlen", "256")
-    assert str(short) in err and "fewer than one window" in err and "needs 257" in err
-    err = _main(capsys, "eval", "ppl", "--seqlen", "256", "--max-tokens", "100")
-    assert "--max-tokens 100 keeps 100 tokens" in err
     err = _main(capsys, "eval", "ppl", "--model", tiny_hf[1], "--data", str(short))
     assert tiny_hf[1] in err and "no tokenizer.json" in err
     err = _main(capsys, "eval", "fidelity", "--model", tiny_hf[1], "--reference", BUILTIN, "--prompts", prompts_file)

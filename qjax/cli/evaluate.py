@@ -1,9 +1,10 @@
 """``qjax eval ppl``, ``qjax eval fidelity`` and ``qjax compare``: flags → :mod:`qjax.evaluation.evaluate` /
 :mod:`qjax.evaluation.compare`.
 
-Bad input (a missing file, empty data, too little text for one window, a folder without tokenizer files, models with
+Bad input (a missing file, empty data, a text of fewer than 2 tokens, a folder without tokenizer files, models with
 different vocabularies) ends in one ``error: ...`` line on stderr and exit status 2 (``qjax.cli.main`` prints the
-ValueError subclasses raised here).
+ValueError subclasses raised here). A text shorter than one ``--seqlen`` window is scored as one window of its own
+length, with a one-line ``qjax eval ppl: note: ...`` on stderr.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -52,6 +54,8 @@ def cmd_ppl(a) -> int:
             raise EvalError(f"--data is required ({model} has no heldout.txt to default to)")
     report = perplexity_of_file(model, data, seqlen=a.seqlen, batch=a.batch_size, max_tokens=a.max_tokens,
                                 dtype=_dtype(a.dtype), progress=not a.quiet)
+    if report.note:
+        print(f"qjax eval ppl: note: {report.note}", file=sys.stderr, flush=True)
     _emit(report, a)
     return 0
 
@@ -109,7 +113,8 @@ def register(subparsers) -> None:
                         "objects with 'text'); documents are joined by a blank line (default: the model folder's "
                         "heldout.txt)")
     p.add_argument("--seqlen", type=int, default=2048,
-                   help="model inputs per window (default 2048); data with fewer than seqlen + 1 tokens is an error")
+                   help="model inputs per window (default 2048); data with fewer than seqlen + 1 tokens is scored as one "
+                        "window of its own length (a note on stderr says so)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward call (default 8)")
     p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of the data")
     _common(p)

@@ -6,7 +6,9 @@
 Perplexity (:func:`mean_nll`): the token stream is cut into non-overlapping windows of ``seqlen`` model inputs; window
 k reads tokens ``[k·seqlen, (k+1)·seqlen)`` and predicts tokens ``[k·seqlen + 1, (k+1)·seqlen]``, so every token but
 the first of the stream is scored exactly once, each from its own window's context only (a window's first prediction
-sees one token). The tail shorter than a window is not scored.
+sees one token). The tail shorter than a window is not scored. :func:`perplexity_of_file` scores a text shorter
+than one window (fewer than ``seqlen + 1`` tokens, at least 2) as one window of its own length, ``N - 1`` inputs, and
+says so in its report (``requested_seqlen``, ``note``), as perplexity tools do.
 
 Fidelity (:func:`fidelity`), as quantized model cards measure it: for each prompt the reference model's greedy answer
 (cached decode, stopped at a stop token or ``max_new_tokens``), then under the quantized model and under the reference
@@ -187,7 +189,7 @@ def perplexity(model, ids, seqlen: int = 256, batch: int = 8) -> float:
 class PerplexityReport:
     model: str
     data: str
-    seqlen: int
+    seqlen: int  # inputs per window actually used (shorter than requested_seqlen for a text shorter than one window)
     data_tokens: int  # tokens of the data (after --max-tokens)
     windows: int
     scored_tokens: int
@@ -195,18 +197,27 @@ class PerplexityReport:
     mean_nll: float
     ppl: float
     dtype: str
+    requested_seqlen: int | None = None  # the --seqlen asked for, when the text was shorter than one such window
+    note: str | None = None  # why the window is shorter than requested (``qjax eval ppl`` prints it on stderr)
 
     method = ("non-overlapping windows of seqlen inputs: every token but the first of the text is scored once, from "
               "its own window's context only; the tail shorter than a window is not scored")
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "method": self.method}
+        d = dataclasses.asdict(self)
+        for key in ("requested_seqlen", "note"):  # only when the window was shortened
+            if d[key] is None:
+                del d[key]
+        return {**d, "method": self.method}
 
     def format(self) -> str:
+        windows = f"{self.windows} window{'s' if self.windows != 1 else ''} of {self.seqlen}"
+        if self.requested_seqlen is not None and self.requested_seqlen != self.seqlen:
+            windows += f" (--seqlen {self.requested_seqlen} requested: fewer than {self.requested_seqlen + 1} tokens)"
         return "\n".join([
             f"perplexity of {self.data} under {self.model} ({self.dtype})",
             f"  method: {self.method}",
-            f"  {self.data_tokens} tokens → {self.windows} windows of {self.seqlen}; {self.scored_tokens} tokens "
+            f"  {self.data_tokens} tokens → {windows}; {self.scored_tokens} tokens "
             f"scored" + (f", {self.unscored_tail} tail tokens not scored" if self.unscored_tail else ""),
             f"  mean NLL {self.mean_nll:.5f} nats/token   ppl {self.ppl:.4f}",
         ])
@@ -214,7 +225,12 @@ class PerplexityReport:
 
 def perplexity_of_file(model_dir: str, data: str, *, seqlen: int = 2048, batch: int = 8, max_tokens: int | None = None,
                        dtype=None, progress: bool = False) -> PerplexityReport:
-    """Perplexity of the text file ``data`` under the checkpoint ``model_dir`` (its own tokenizer)."""
+    """Perplexity of the text file ``data`` under the checkpoint ``model_dir`` (its own tokenizer).
+
+    A text (after ``max_tokens``) shorter than one window — fewer than ``seqlen + 1`` tokens — is scored as one window
+    of its own length (``N - 1`` inputs); the report's ``seqlen`` is that length, ``requested_seqlen`` the one asked
+    for, and ``note`` a sentence saying so. Fewer than 2 tokens is an :class:`EvalError` naming the file.
+    """
 
     if seqlen < 1:
         raise EvalError(f"--seqlen must be ≥ 1, got {seqlen}")
@@ -229,18 +245,22 @@ def perplexity_of_file(model_dir: str, data: str, *, seqlen: int = 2048, batch: 
     ids = tokenize_texts(texts, tokenizer)
     if max_tokens is not None:
         ids = ids[:max_tokens]
+    if ids.size < 2:  # --max-tokens is ≥ 2, so the text itself is this short
+        raise EvalError(f"--data {data} holds {ids.size} token{'' if ids.size == 1 else 's'}; perplexity needs at "
+                        "least 2 (one to read, one to predict)")
+    requested, note = None, None
     if ids.size < seqlen + 1:
         where = f"--max-tokens {max_tokens} keeps" if max_tokens is not None and max_tokens < seqlen + 1 else \
-            f"--data {data} holds"
-        raise EvalError(f"{where} {ids.size} tokens, fewer than one window (--seqlen {seqlen} needs {seqlen + 1}); "
-                        f"pass --seqlen {max(1, ids.size - 1)} or more text")
+            f"{data} has"
+        requested, seqlen = seqlen, int(ids.size - 1)
+        note = f"{where} {ids.size} tokens, fewer than --seqlen {requested} + 1: scored as one window of {seqlen}"
     model = qjax.load_model(model_dir, dtype=dtype)
     _check_ids(ids, model.config.vocab_size, f"--data {data}")
     nll, n = mean_nll(model, ids, seqlen, batch, progress=progress)
     windows = n // seqlen
     return PerplexityReport(model=model_dir, data=data, seqlen=seqlen, data_tokens=int(ids.size), windows=windows,
                             scored_tokens=n, unscored_tail=int(ids.size - 1 - n), mean_nll=nll, ppl=math.exp(nll),
-                            dtype=str(model.dtype))
+                            dtype=str(model.dtype), requested_seqlen=requested, note=note)
 
 
 def _check_ids(ids: np.ndarray, vocab: int, where: str) -> None:
