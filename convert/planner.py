@@ -21,6 +21,7 @@ from qjax.checkpoint.loading import check_folder, checkpoint_dtype, verify_folde
 from qjax.checkpoint.quant_plan import plan_quantization
 from qjax.checkpoint.safetensors_io import dtype_name
 from qjax.model.config import FULL, LINEAR, TextConfig
+from qjax.model.dtypes import accum_dtype
 from qjax.model.qwen3_5_moe import abstract_model
 from qjax.model.sharding import abstract_plan, per_device_bytes
 from qjax.model.variables import variable_shapes
@@ -123,6 +124,8 @@ class Plan:
     mesh_replicated_bytes: int = 0  # of which replicated on every device
     mesh_kv_bytes_per_token: int = 0  # per sequence, per device
     mesh_gdn_bytes_per_sequence: int = 0  # per device
+    dtype: str = "bfloat16"  # what the model computes in (``model.dtype``: the checkpoint's, or --dtype)
+    dtype_source: str = "the checkpoint's"  # why: "the checkpoint's" or "--dtype"
 
 
 def _label(key: str, dtype: str, quant_modules: dict[str, str]) -> str:
@@ -141,8 +144,8 @@ def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: Q
     prefix = text_prefix(keys)
     dtype_of = lambda k: headers[k][1]  # noqa: E731
     quant = plan_quantization(cfg, qc, keys, dtype_of, text_prefix=prefix, source="config.json")
-    dt = dtype if dtype is not None else checkpoint_dtype(headers.get(prefix + "embed_tokens.weight", (None, None))[1],
-                                                           cfg)
+    dt = jnp.dtype(dtype if dtype is not None else
+                   checkpoint_dtype(headers.get(prefix + "embed_tokens.weight", (None, None))[1], cfg))
     model = abstract_model(cfg, dtype=dt, with_mtp=any(k.startswith("mtp.") for k in keys), quant=quant)
     device = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variable_shapes(model).values())
     quant_modules = {}
@@ -161,13 +164,14 @@ def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: Q
     n_lin = sum(t == LINEAR for t in cfg.layer_types)
     kv = n_full * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_item
     gdn = n_lin * ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * np.dtype(dt).itemsize
-                   + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
+                   + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+                   * accum_dtype(dt).itemsize)
     skipped = defaultdict(int)
     for k, (shape, d) in headers.items():
         if k.startswith("model.visual."):
             skipped["model.visual.*"] += int(np.prod(shape)) * ST_ITEMSIZE[d]
     out = Plan(cfg, headers, {k: _label(k, d, quant_modules) for k, (_, d) in headers.items()}, int(device), kv, gdn,
-               dict(skipped))
+               dict(skipped), dtype=dt.name, dtype_source="the checkpoint's" if dtype is None else "--dtype")
     if mesh is not None:
         _plan_mesh(out, model, mesh)
     return out
@@ -254,11 +258,14 @@ def format_plan(p: Plan, *, title: str) -> str:
             lines.append(f"{label:<22} {d:<8} {n:>8,} {_gib(b):>14}")
             total += b
     lines += ["", f"on disk: {_gib(total)} in {len(p.headers):,} tensors",
+              f"computes in: {p.dtype} ({p.dtype_source}; matmuls, norms, softmaxes and the GDN state accumulate in "
+              f"{accum_dtype(p.dtype).name})",
               f"device memory, weights as qjax holds them: {_gib(p.device_bytes)}",
               f"KV cache: {p.kv_bytes_per_token / 1024:,.2f} KiB per token per sequence "
               f"({sum(t == FULL for t in p.cfg.layer_types)} full-attention layers)",
               f"GDN state: {_gib(p.gdn_bytes_per_sequence)} per sequence "
-              f"({sum(t == LINEAR for t in p.cfg.layer_types)} layers: conv window + fp32 recurrent state)"]
+              f"({sum(t == LINEAR for t in p.cfg.layer_types)} layers: conv window + {accum_dtype(p.dtype).name} "
+              f"recurrent state)"]
     for ctx in (4096, 32768, 262144):
         lines.append(f"  batch 1 at {ctx:>7,} tokens: weights + KV + state = "
                      f"{_gib(p.device_bytes + ctx * p.kv_bytes_per_token + p.gdn_bytes_per_sequence)}")

@@ -7,13 +7,18 @@ a Pallas (Triton) kernel with the same signature:
 - :func:`moe_experts`: routed SwiGLU experts with packed (or dense) ``[E, …]`` weights and the routing-weight
   combine;
 - :func:`gated_delta_step`: one decode token of the Gated DeltaNet recurrence.
+
+:mod:`.precision` states what every kernel and layer accumulates in (:func:`accum_dtype`: float32, float64 for
+float64 inputs, which only the references take) and the shared SiLU.
 """
 
 from .dispatch import IMPLS, resolve, use
 from .moe_reference import routed_experts
 from .ops import gated_delta_step, matmul, moe_experts, qmatmul
+from .precision import accum_dtype, dot_precision, silu
 from .qmatmul_reference import dequantize, dequantize_experts, unpack_int
 from .quant_meta import QuantMeta, dense_meta
 
-__all__ = ["IMPLS", "QuantMeta", "dense_meta", "dequantize", "dequantize_experts", "gated_delta_step", "matmul",
-           "moe_experts", "qmatmul", "resolve", "routed_experts", "unpack_int", "use"]
+__all__ = ["IMPLS", "QuantMeta", "accum_dtype", "dense_meta", "dequantize", "dequantize_experts", "dot_precision",
+           "gated_delta_step", "matmul", "moe_experts", "qmatmul", "resolve", "routed_experts", "silu", "unpack_int",
+           "use"]

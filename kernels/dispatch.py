@@ -8,6 +8,10 @@ default. Choices:
 - ``xla``: the naive plain-XLA baseline benchmarks measure against: each call dequantizes the whole weight — every
   expert of an MoE layer — then runs one dot (dense) or ``ragged_dot`` (experts).
 
+float64 computations run the plain-JAX paths: the Pallas kernels compute in float32, so asking for them with
+float64 inputs (``impl=``, :func:`use` or ``QJAX_KERNELS``) is an error naming the dtype, and the GPU default falls
+back to the reference instead of rounding to float32 behind the caller's back.
+
 A jitted function traced under one choice keeps it; programs that must differ by implementation take it as a
 static argument (as :mod:`qjax.generate` does) or are compiled separately.
 """
@@ -19,6 +23,7 @@ import contextvars
 import os
 
 import jax
+import jax.numpy as jnp
 
 IMPLS = ("reference", "pallas", "interpret", "xla")
 
@@ -31,16 +36,22 @@ def _check(choice: str, where: str) -> str:
     return choice
 
 
-def resolve(impl: str | None = None) -> str:
-    """The implementation to use for a call traced now."""
+def resolve(impl: str | None = None, dtype=None) -> str:
+    """The implementation to use for a call traced now on inputs of ``dtype`` (None: not float64)."""
     if impl:
-        return _check(impl, "impl")
-    if _SCOPE.get():
-        return _SCOPE.get()
-    choice = os.environ.get("QJAX_KERNELS") or ""
-    if not choice:
-        return "pallas" if jax.default_backend() in ("gpu", "cuda") else "reference"
-    return _check(choice, "QJAX_KERNELS")
+        choice, where = _check(impl, "impl"), "impl="
+    elif _SCOPE.get():
+        choice, where = _SCOPE.get(), "qjax.kernels.use"
+    elif os.environ.get("QJAX_KERNELS"):
+        choice, where = _check(os.environ["QJAX_KERNELS"], "QJAX_KERNELS"), "QJAX_KERNELS"
+    else:
+        choice, where = ("pallas" if jax.default_backend() in ("gpu", "cuda") else "reference"), None
+    if dtype is not None and jnp.dtype(dtype) == jnp.float64 and choice in ("pallas", "interpret"):
+        if where is None:
+            return "reference"
+        raise ValueError(f"the Pallas kernels compute in float32 and cannot honour float64 inputs ({where} asked "
+                         f"for {choice!r}); use the reference kernels (impl='reference') for float64")
+    return choice
 
 
 @contextlib.contextmanager

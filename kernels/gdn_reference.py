@@ -1,7 +1,8 @@
 """The gated delta rule's exact token-by-token recurrence (docs/model.md §2.5), the reference of the GDN kernels.
 
-Everything runs in float32 — a bf16 recurrent state corrupts long decodes (docs/model.md §8.3) — and every matmul
-asks for full fp32 precision so a GPU never silently drops to TF32. The chunked form the model uses for multi-token
+Everything runs in the accumulation dtype (:mod:`.precision`: float32, float64 for a float64 model) — a bf16
+recurrent state corrupts long decodes (docs/model.md §8.3) — and every matmul asks for full precision so a GPU never
+silently drops to TF32. The chunked form the model uses for multi-token
 calls (:mod:`qjax.gdn`) builds on :func:`prepare` and is tested against :func:`recurrent_gated_delta_rule`.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from .precision import accum_dtype
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -19,17 +22,19 @@ def l2norm(x: jnp.ndarray, eps: float = 1e-6) -> jnp.ndarray:
 
 
 def prepare(q, k, v, g, beta):
-    """Repeat qk heads onto v heads, move heads before time, go to fp32, l2-normalise q/k and scale q.
+    """Repeat qk heads onto v heads, move heads before time, go to the accumulation dtype, l2-normalise q/k and scale
+    q.
 
     In: q, k ``[B, T, Hk, Dk]``; v ``[B, T, Hv, Dv]``; g, beta ``[B, T, Hv]``.
-    Out: q, k ``[B, Hv, T, Dk]``; v ``[B, Hv, T, Dv]``; g, beta ``[B, Hv, T]`` — all float32.
+    Out: q, k ``[B, Hv, T, Dk]``; v ``[B, Hv, T, Dv]``; g, beta ``[B, Hv, T]`` — all in ``accum_dtype(q.dtype)``.
     """
+    acc = accum_dtype(q.dtype)
     hk, hv = q.shape[2], v.shape[2]
     if hv != hk:
         # v head j reads qk head j // (hv/hk): repeat_interleave, not tile (docs/model.md §8.11)
         q = jnp.repeat(q, hv // hk, axis=2)
         k = jnp.repeat(k, hv // hk, axis=2)
-    q, k, v, g, beta = (jnp.moveaxis(x.astype(jnp.float32), 2, 1) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (jnp.moveaxis(x.astype(acc), 2, 1) for x in (q, k, v, g, beta))
     q = l2norm(q)
     k = l2norm(k)
     q = q * (q.shape[-1] ** -0.5)
@@ -37,8 +42,9 @@ def prepare(q, k, v, g, beta):
 
 
 def zero_state(q, v):
+    """The initial state ``[B, Hv, Dk, Dv]`` of prepared ``q``, ``v`` (in their dtype, the accumulation dtype)."""
     b, h, _, dk = q.shape
-    return jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
+    return jnp.zeros((b, h, dk, v.shape[-1]), q.dtype)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
@@ -46,13 +52,13 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
 
     Args:
       q, k: ``[B, T, Hk, Dk]``; v: ``[B, T, Hv, Dv]``; g (log decay, ≤ 0), beta: ``[B, T, Hv]``.
-      initial_state: ``[B, Hv, Dk, Dv]`` float32 or None (zeros).
+      initial_state: ``[B, Hv, Dk, Dv]`` in the accumulation dtype, or None (zeros).
     Returns:
-      o ``[B, T, Hv, Dv]`` in q's dtype, final state ``[B, Hv, Dk, Dv]`` float32.
+      o ``[B, T, Hv, Dv]`` in q's dtype, final state ``[B, Hv, Dk, Dv]`` in the accumulation dtype.
     """
     out_dtype = q.dtype
     q, k, v, g, beta = prepare(q, k, v, g, beta)
-    s0 = zero_state(q, v) if initial_state is None else initial_state.astype(jnp.float32)
+    s0 = zero_state(q, v) if initial_state is None else initial_state.astype(q.dtype)
 
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs  # [B, H, D] / [B, H]
@@ -71,7 +77,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
 
 def gated_delta_step_reference(q, k, v, g, beta, state, layer=None):
     """One token of the gated delta rule (plain JAX): ``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``g, beta [B, Hv]``,
-    ``state [B, Hv, Dk, Dv]`` fp32 → ``(o [B, Hv, Dv]`` in q's dtype, new state fp32).
+    ``state [B, Hv, Dk, Dv]`` in the accumulation dtype → ``(o [B, Hv, Dv]`` in q's dtype, new state).
 
     ``layer``: ``state`` is a ``[L, B, Hv, Dk, Dv]`` stack of layers' states and this is layer ``layer`` (int32, may
     be traced); the whole stack is returned with that layer's state replaced.

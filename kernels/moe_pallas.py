@@ -16,7 +16,7 @@ Pipeline (vLLM ``fused_moe`` / ``moe_align_block_size`` style; docs/kernels.md �
 2. *gate_up kernel*, grid ``(B, ⌈I/bn⌉)``: program (b, j) gathers the ``bm`` token rows of block b, streams K = H in
    ``bk`` chunks (token = slot // k), dequantizes the gate rows ``j·bn + [0, bn)`` and the up rows
    ``I + j·bn + [0, bn)`` of the block's expert in registers and accumulates both dots in fp32; epilogue
-   ``silu(gate)·up`` rounded op by op to x.dtype exactly as the reference's elementwise chain → ``act [R, I]``.
+   ``silu(gate)·up`` rounded to x.dtype exactly as the reference's elementwise chain → ``act [R, I]``.
 3. *down kernel*, grid ``(B, ⌈H/bn⌉)``: ``act`` rows of block b × dequantized down rows, K = I; epilogue multiplies
    by the row's routing weight (``weights.flat[slot]``) → ``y [R, H]`` fp32.
 4. *Combine* (plain JAX): ``out[n] = Σ_k y[slot_row[n, k]]`` (a gather + sum: deterministic, no atomics, padding
@@ -204,19 +204,17 @@ def _dequant_tile(packed_ref, scale_ref, zero_ref, e, rows, row_mask, kk, *, met
 
 
 def _silu_mul(acc_g, acc_u, dtype):
-    """``silu(gate) · up`` rounded like the reference's x.dtype elementwise chain.
+    """``silu(gate) · up`` rounded like the reference's x.dtype chain.
 
-    The reference computes ``jax.nn.silu(g) * u`` on x.dtype arrays, i.e. ``g · (1 / (1 + exp(−g))) · u`` with every
-    op's result rounded to x.dtype (what XLA emits for bf16).  Triton has no bf16 division, so each op runs in fp32
-    followed by an explicit rounding to x.dtype (no-ops for fp32).
+    The reference (:func:`.precision.silu`) rounds gate and up to x.dtype, computes ``g / (1 + exp(−g))`` in fp32
+    and rounds it once, then multiplies by up with one rounding to x.dtype (all no-ops for fp32) — torch's bf16 chain.
     """
     def rnd(v):
         return v.astype(dtype).astype(jnp.float32)
 
     g = rnd(acc_g)
     u = rnd(acc_u)
-    sig = rnd(1.0 / rnd(rnd(jnp.exp(rnd(-g))) + 1.0))
-    return (rnd(g * sig) * u).astype(dtype)
+    return (rnd(g / (1.0 + jnp.exp(-g))) * u).astype(dtype)
 
 
 def _dot_nt(a, w):
@@ -260,6 +258,7 @@ def _gate_up_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig, inte
         nmask = None if inter % bn == 0 else ncols < inter
 
         def body(kk, carry):
+            kk = kk.astype(jnp.int32)  # int64 under JAX's x64 mode
             acc_g, acc_u = carry
             cols = kk * bk + lax.iota(jnp.int32, bk)
             xmask = jnp.broadcast_to(valid if hidden % bk == 0 else valid & (cols < hidden)[None, :], (bm, bk))
@@ -295,6 +294,7 @@ def _down_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig):
         hmask = None if hidden % bn == 0 else hcols < hidden
 
         def body(kk, acc):
+            kk = kk.astype(jnp.int32)  # int64 under JAX's x64 mode
             cols = kk * bk + lax.iota(jnp.int32, bk)
             amask = None if inter % bk == 0 else jnp.broadcast_to((cols < inter)[None, :], (bm, bk))
             a = plgpu.load(act_ref.at[rows[:, None], cols[None, :]], mask=amask,

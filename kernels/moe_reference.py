@@ -14,13 +14,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from .precision import accum_dtype, dot_precision, silu
 from .qmatmul_reference import dequantize_experts
 from .quant_meta import QuantMeta
 
 
 def _dot_out_in(x: jnp.ndarray, w: jnp.ndarray, spec: str) -> jnp.ndarray:
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return jnp.einsum(spec, x, w.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, x, w.astype(x.dtype), precision=dot_precision(x.dtype),
+                      preferred_element_type=accum_dtype(x.dtype))
 
 
 WeightFn = Callable[[jnp.ndarray | None], jnp.ndarray]  # expert indices (or None: all) → dense [..., out, in]
@@ -38,21 +39,22 @@ def experts_gather(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_exper
       gate_up, down: called with a scalar expert id, give the dense ``[2I, H]`` / ``[H, I]`` matrices.
       num_experts: E (None: every id is taken as valid).
     Returns:
-      ``[N, H]`` float32 (the weighted sum over the k experts).
+      ``[N, H]`` in the accumulation dtype (float32; float64 for float64 x): the weighted sum over the k experts.
     """
     k = idx.shape[1]
+    acc_dtype = accum_dtype(x.dtype)
 
     def token(xn, en, wn):
         def slot(j, acc):
             e = en[j] if num_experts is None else jnp.clip(en[j], 0, num_experts - 1)
             gu = _dot_out_in(xn, gate_up(e), "h,oh->o").astype(x.dtype)  # [2I]
             inter = gu.shape[-1] // 2
-            act = (jax.nn.silu(gu[:inter]) * gu[inter:]).astype(x.dtype)
-            y = _dot_out_in(act, down(e), "i,hi->h") * wn[j].astype(jnp.float32)
+            act = (silu(gu[:inter]) * gu[inter:]).astype(x.dtype)
+            y = _dot_out_in(act, down(e), "i,hi->h") * wn[j].astype(acc_dtype)
             if num_experts is not None:
                 y = jnp.where((en[j] >= 0) & (en[j] < num_experts), y, 0.0)
             return acc + y
-        return jax.lax.fori_loop(0, k, slot, jnp.zeros((x.shape[1],), jnp.float32))
+        return jax.lax.fori_loop(0, k, slot, jnp.zeros((x.shape[1],), acc_dtype))
 
     return jax.vmap(token)(x, idx, weights)
 
@@ -67,18 +69,18 @@ def experts_grouped(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     token = order // k
     xs = x[token]  # [N·k, H] sorted by expert
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    precision, acc_dtype = dot_precision(x.dtype), accum_dtype(x.dtype)
     # contract lhs dim 1 with the stored "in" dim (2) of [E, out, in]; rhs dim 0 is the group dim
     dn = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     gu = jax.lax.ragged_dot_general(xs, gate_up(None).astype(x.dtype), sizes, dn, precision=precision,
-                                    preferred_element_type=jnp.float32).astype(x.dtype)
+                                    preferred_element_type=acc_dtype).astype(x.dtype)
     inter = gu.shape[-1] // 2
-    act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(x.dtype)
+    act = (silu(gu[:, :inter]) * gu[:, inter:]).astype(x.dtype)
     out = jax.lax.ragged_dot_general(act, down(None).astype(x.dtype), sizes, dn, precision=precision,
-                                     preferred_element_type=jnp.float32)
-    w_sorted = jnp.where(valid[order], weights.reshape(-1)[order].astype(jnp.float32), 0.0)
-    return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(out * w_sorted[:, None])
+                                     preferred_element_type=acc_dtype)
+    w_sorted = jnp.where(valid[order], weights.reshape(-1)[order].astype(acc_dtype), 0.0)
+    return jnp.zeros((n, x.shape[1]), acc_dtype).at[token].add(out * w_sorted[:, None])
 
 
 def experts_blocked(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_experts: int):
@@ -110,10 +112,11 @@ def experts_blocked(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     xs = x[token].reshape(nb, block, x.shape[1])
     gu = _dot_out_in(xs, gate_up(blk_expert), "bth,boh->bto").astype(x.dtype)
     inter = gu.shape[-1] // 2
-    act = (jax.nn.silu(gu[..., :inter]) * gu[..., inter:]).astype(x.dtype)
+    act = (silu(gu[..., :inter]) * gu[..., inter:]).astype(x.dtype)
     out = _dot_out_in(act, down(blk_expert), "bti,bhi->bth").reshape(nb * block, x.shape[1])
-    w = jnp.where(valid, weights.reshape(-1)[jnp.maximum(rows, 0)].astype(jnp.float32), 0.0)
-    return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(out * w[:, None])
+    acc_dtype = accum_dtype(x.dtype)
+    w = jnp.where(valid, weights.reshape(-1)[jnp.maximum(rows, 0)].astype(acc_dtype), 0.0)
+    return jnp.zeros((n, x.shape[1]), acc_dtype).at[token].add(out * w[:, None])
 
 
 def routed_experts(x, idx, weights, gate_up: WeightFn, down: WeightFn, *, num_experts: int):
@@ -136,7 +139,7 @@ def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, num_experts: in
       num_experts, offset: the arrays hold several layers' experts flattened (``[G·E, …]``); this layer's E start at
         ``offset`` (int32 scalar, may be traced); ids stay in ``[0, E)``. Only the experts read are sliced.
     Returns:
-      ``[N, H]`` float32.
+      ``[N, H]`` in the accumulation dtype (float32; float64 for float64 x).
     """
     gu_meta: QuantMeta = gate_up[3]
     dn_meta: QuantMeta = down[3]

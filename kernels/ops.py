@@ -25,7 +25,7 @@ def matmul(x: jnp.ndarray, w: jnp.ndarray, *, impl: str | None = None, layer=Non
     :data:`DENSE_IN_STACK_MAX_ROWS` rows and N, K on the kernel's blocks the layer is read inside the stack;
     otherwise it is sliced out for XLA's dot.
     """
-    which = resolve(impl)
+    which = resolve(impl, x.dtype)
     rows = math.prod(x.shape[:-1])
     if layer is not None and which in ("pallas", "interpret") and 0 < rows <= DENSE_IN_STACK_MAX_ROWS:
         # a layer the kernel cannot read in place (N or K off its blocks: the 1-row shared_expert_gate) goes to
@@ -42,7 +42,7 @@ def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str |
     ``layer``: the arrays carry a leading layer-stack axis ``[L, N, ·]`` and this is layer ``layer`` (the Pallas
     kernel reads it in place; the references index it).
     """
-    which = resolve(impl)
+    which = resolve(impl, x.dtype)
     if which in ("reference", "xla"):  # the reference already dequantizes the whole weight, then one dot
         if layer is not None:
             packed, scale, zero = (None if a is None else a[layer] for a in (packed, scale, zero))
@@ -53,14 +53,14 @@ def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str |
 
 def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | None = None,
                 layer=None) -> jnp.ndarray:
-    """Routed SwiGLU experts with packed ``[E, …]`` weights → ``[N, H]`` float32 (see :mod:`.moe_reference`); an
-    unquantized stack is ``(w, None, None, dense_meta(...))``.
+    """Routed SwiGLU experts with packed ``[E, …]`` weights → ``[N, H]`` in the accumulation dtype (float32; float64
+    for float64 x; see :mod:`.moe_reference`); an unquantized stack is ``(w, None, None, dense_meta(...))``.
 
     ``layer``: the arrays carry a leading layer-stack axis (``[L, E, …]``, as the model's layer scan stores them)
     and this call is layer ``layer`` (an int32 scalar, may be traced). The kernels then read that layer's experts inside
     the stack: slicing it out first would copy all E experts of the layer on every call.
     """
-    which = resolve(impl)
+    which = resolve(impl, x.dtype)
     num_experts = offset = None
     if layer is not None:
         stack, num_experts = gate_up[0].shape[:2]
@@ -80,14 +80,15 @@ def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | Non
 
 def gated_delta_step(q, k, v, g, beta, state, *, impl: str | None = None, layer=None):
     """One decode token of the gated delta rule: ``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``g, beta [B, Hv]``, ``state
-    [B, Hv, Dk, Dv]`` fp32 → ``(o [B, Hv, Dv]`` in q's dtype, new state fp32); see :mod:`.gdn_pallas`.
+    [B, Hv, Dk, Dv]`` in the accumulation dtype → ``(o [B, Hv, Dv]`` in q's dtype, new state); see
+    :mod:`.gdn_pallas`.
 
     ``layer``: ``state`` is the ``[L, B, …]`` stack of the layer scan and this is layer ``layer``; the whole stack
     comes back with that layer's state replaced (the kernel writes it in place). With the Pallas kernels (and
     power-of-two head dims) one kernel does the l2-norms, the decay, the delta update and the readout; otherwise the
     reference (:func:`.gdn_reference.gated_delta_step_reference`).
     """
-    which = resolve(impl)
+    which = resolve(impl, q.dtype)
     if which in ("pallas", "interpret") and gdn_pallas.supported(q.shape, v.shape):
         return gdn_pallas.gated_delta_step_pallas(q, k, v, g, beta, state, layer=layer,
                                                   interpret=which == "interpret")

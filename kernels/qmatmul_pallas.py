@@ -186,7 +186,8 @@ def _e8m0_factors(e: jax.Array) -> tuple[jax.Array, jax.Array]:
     """E8M0 bytes (int32) → (a, b) float32 with ``a·b = 2^(e−127)`` and no subnormal factor (e = 255 → inf)."""
     is_zero = e == 0
     a_bits = jnp.where(is_zero, 64, e) << 23  # e == 0: 2^-63
-    b_bits = jnp.where(is_zero, 63, 127) << 23  # e == 0: 2^-64, else 1
+    # int32 literals: under JAX's x64 mode two Python ints would make an int64, whose bitcast is two float32 words
+    b_bits = jnp.where(is_zero, jnp.int32(63), jnp.int32(127)) << 23  # e == 0: 2^-64, else 1
     return lax.bitcast_convert_type(a_bits, jnp.float32), lax.bitcast_convert_type(b_bits, jnp.float32)
 
 
@@ -277,6 +278,7 @@ def _kernel(*refs, meta: QuantMeta, cfg: KernelConfig, group: int | None, has_ze
 
     if reduce_rows:  # M == 1: multiply + row reduction (no 16-row MMA padding)
         def body(c, acc):
+            c = c.astype(jnp.int32)  # int64 under JAX's x64 mode
             xs = x_ref[:, pl.ds(pl.multiple_of(c * bk, bk), bk)].astype(jnp.float32)  # [1, bk]
             w = dequant(c).astype(jnp.float32)  # [bn, bk]
             return acc + jnp.sum(w * xs, axis=1)
@@ -286,6 +288,7 @@ def _kernel(*refs, meta: QuantMeta, cfg: KernelConfig, group: int | None, has_ze
         return
 
     def body(c, acc):
+        c = c.astype(jnp.int32)  # int64 under JAX's x64 mode
         xs = x_ref[:, pl.ds(pl.multiple_of(c * bk, bk), bk)]  # [bm, bk]
         w = dequant(c)  # [bn, bk]
         return acc + lax.dot_general(xs, w, (((1,), (1,)), ((), ())), precision=precision,

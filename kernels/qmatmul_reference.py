@@ -15,15 +15,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .precision import accum_dtype, dot_precision
 from .quant_meta import QuantMeta
 
 
 def matmul(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
-    """``x [..., K] @ wᵀ`` for an unquantized ``w [N, K]`` → ``[..., N]`` in x's dtype (fp32 accumulation; float32
-    inputs at HIGHEST precision, so no TF32 / bf16 passes)."""
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    """``x [..., K] @ wᵀ`` for an unquantized ``w [N, K]`` → ``[..., N]`` in x's dtype (accumulated in
+    :func:`.precision.accum_dtype`; float32 / float64 inputs at HIGHEST precision, so no TF32 / bf16 passes)."""
     y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
-                            precision=precision, preferred_element_type=jnp.float32)
+                            precision=dot_precision(x.dtype), preferred_element_type=accum_dtype(x.dtype))
     return y.astype(x.dtype)
 
 
@@ -66,11 +66,10 @@ def dequantize(packed, scale, zero, meta: QuantMeta, dtype=jnp.float32) -> jnp.n
 
 
 def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta) -> jnp.ndarray:
-    """``x [..., K] @ dequant(W)ᵀ`` → ``[..., N]`` in x's dtype (fp32 accumulation)."""
+    """``x [..., K] @ dequant(W)ᵀ`` → ``[..., N]`` in x's dtype (accumulated in :func:`.precision.accum_dtype`)."""
     w = dequantize(packed, scale, zero, meta, x.dtype)
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=dot_precision(x.dtype),
+                            preferred_element_type=accum_dtype(x.dtype))
     return y.astype(x.dtype)
 
 

@@ -18,7 +18,7 @@ xla_env.apply()  # before the CPU backend starts: a YNNPACK fusion miscomputes f
 
 # public name → the module that defines it
 _EXPORTS = {
-    "Cache": "model.cache", "ConfigError": "model.config", "TextConfig": "model.config",
+    "Cache": "model.cache", "ConfigError": "model.config", "DtypeError": "model.dtypes", "TextConfig": "model.config",
     "GenerationConfig": "model.config",
     "Qwen3_5MoeForCausalLM": "model.qwen3_5_moe", "init_model": "model.qwen3_5_moe", "MeshError": "model.sharding",
     "LoadError": "checkpoint.loading", "load_model": "checkpoint.loading",

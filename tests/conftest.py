@@ -44,7 +44,14 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 import pytest  # noqa: E402
 import torch
 from oracles.ct import RECIPES, write_ct_checkpoint
-from oracles.hf import make_hf_model, odd_text_config, save_hf, tiny_text_config, write_official_layout
+from oracles.hf import (
+    float64_truth,
+    make_hf_model,
+    odd_text_config,
+    save_hf,
+    tiny_text_config,
+    write_official_layout,
+)
 
 # The models are tiny: more threads only add scheduling noise and contend with parallel test workers.
 torch.set_num_threads(2)
@@ -114,3 +121,24 @@ def ct_ckpt(request, hf128, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     calib = np.random.default_rng(0).integers(0, 512, (2, 24))
     return request.param, write_ct_checkpoint(hf128, folder / "ckpt", RECIPES[request.param], calib_ids=calib)
+
+
+@pytest.fixture
+def x64():
+    """JAX's x64 mode as a float64 model leaves it (``load_model(dtype="float64")`` switches it on for the process),
+    restored afterwards so the worker's later tests run as they would alone."""
+    before = jax.config.jax_enable_x64
+    yield
+    jax.config.update("jax_enable_x64", before)
+
+
+@pytest.fixture(scope="session")
+def tiny_truth(tiny_hf):
+    """tiny_hf's model in float64 everywhere: the ground truth (oracles/hf.py, float64_truth)."""
+    return float64_truth(tiny_hf[0])
+
+
+@pytest.fixture(scope="session")
+def odd_truth(odd_hf):
+    """odd_hf's model in float64 everywhere."""
+    return float64_truth(odd_hf[0])

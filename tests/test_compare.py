@@ -174,3 +174,43 @@ def test_a_corrupted_layer_is_named(hf128, tmp_path, recipe, layer):
     report = compare_blocks(model, ref.model, np.random.default_rng(2).integers(0, 512, (1, 70)), fp8_kv=ref.fp8_kv)
     assert report.first_diverging() == layer, report.format()
     assert f"first diverging block: {layer} ({kind})" in report.format()
+
+
+def test_ground_truth_mode_through_the_cli(tiny_hf):
+    """``qjax compare --dtype float64``: qjax float64 = transformers float64 everywhere; float32 and bfloat16 of both
+    side by side against it."""
+    got = _json(_qjax("compare", "--model", tiny_hf[1], "--dtype", "float64", "--json", "--quiet", "--seqlen", "70"))
+    assert got["truth"] == "transformers float64 everywhere" and got["dtypes"] == ["float32", "bfloat16"]
+    assert [r["name"] for r in got["rows"]] == ["embed", "block 0", "block 1", "block 2", "block 3", "final norm",
+                                                "logits"]
+    for r in got["rows"]:
+        assert r["float64"] <= 1e-10, r
+        for d in ("float32", "bfloat16"):
+            for side in ("qjax", "transformers"):
+                max_rel, rms_rel = r["errors"][d][side]
+                assert 0 <= rms_rel <= max_rel
+        if r["name"] != "embed":  # embeddings are exact in float32; every later row carries float32 rounding
+            assert 1e-9 < r["errors"]["float32"]["qjax"][1] < 1e-5 < r["errors"]["bfloat16"]["qjax"][1] < 0.1, r
+    assert got["top1_agreement"]["float32"] == {"qjax": 1.0, "transformers": 1.0}
+
+
+def test_float64_quantized_equals_the_decompressed_float64_oracle(ct_ckpt, x64):
+    """A compressed-tensors checkpoint in float64 (packed weights dequantized to compressed-tensors' decompression
+    output, exact in float64; FP8 KV emulated on both sides) = transformers float64 everywhere on the decompressed
+    weights, to 1e-10 of the logits' scale; and compare_truth's table says so block by block."""
+    from qjax.evaluation.compare import compare_truth
+    from qjax.evaluation.torch_reference import build_reference
+
+    name, folder = ct_ckpt
+    ids = np.random.default_rng(7).integers(0, 512, (2, 70))
+    ref = build_reference(folder, "float64")
+    with torch.no_grad(), ref.running():
+        want = ref.model(input_ids=torch.as_tensor(ids), use_cache=False).logits.numpy()
+    model = qjax.load_model(folder, dtype="float64")
+    assert model.dtype == jnp.float64 and ref.decompressed > 0
+    got = np.asarray(model(ids))
+    assert got.dtype == np.float64
+    assert np.abs(got - want).max() <= 1e-10 * np.abs(want).max(), name
+    if name == "int4_asym_kv_head":  # asymmetric INT4 + FP8 KV per head through the ground-truth report too
+        report = compare_truth(folder, ids[:1], dtypes=("float32",), quiet=True)
+        assert max(r.float64 for r in report.rows) <= 1e-10 and report.fp8_kv == ref.fp8_kv

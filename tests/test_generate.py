@@ -37,6 +37,27 @@ def test_prefill_then_decode_equals_full_forward(tiny, prefill):
     assert np.abs(np.concatenate(steps, axis=1) - full).max() <= TOL
 
 
+def test_float64_prefill_then_decode_equals_full_forward(tiny_hf, x64):
+    """In float64 the cached path is the full forward to 1e-12 (the chunked vs token-by-token delta rule and the
+    cache's K/V and float64 recurrent state are the only differences)."""
+    model = qjax.load_model(tiny_hf[1], dtype="float64")
+    total, prefill = 78, 65
+    ids = np.random.default_rng(5).integers(0, 512, (2, total)).astype(np.int32)
+    full = np.asarray(model(ids))
+    cache = model.init_cache(2, total)
+    assert cache.slots[0].recurrent.dtype == jnp.float64 and cache.slots[0].conv.dtype == jnp.float64
+    logits, cache = qjax.extend(model, cache, ids[:, :prefill])
+    steps = [np.asarray(logits)]
+    for t in range(prefill, total):
+        logits, cache = qjax.extend(model, cache, ids[:, t:t + 1])
+        steps.append(np.asarray(logits))
+    got = np.concatenate(steps, axis=1)
+    assert got.dtype == np.float64
+    assert np.abs(got - full).max() <= 1e-12
+    out = qjax.generate(model, ids[:, :20], max_new_tokens=4, eos_token_id=[])  # greedy on float64 logits
+    assert out.shape == (2, 24)
+
+
 @pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_multi_token_continuation_from_cache(tiny):
     _, model = tiny

@@ -180,6 +180,6 @@ def test_one_linear_dense_or_packed(layer):
     x = jnp.asarray(rng.standard_normal((3, 5, k)).astype(np.float32))
     np.testing.assert_array_equal(np.asarray(packed(x, layer)), np.asarray(dense(x, layer)))
     if layer is None:
-        np.testing.assert_array_equal(np.asarray(packed.float32(x)), np.asarray(dense.float32(x)))
+        np.testing.assert_array_equal(np.asarray(packed.accumulated(x)), np.asarray(dense.accumulated(x)))
     with pytest.raises(ValueError, match=r"quantized shape \[24, 96\] != \[24, 64\]"):
         Linear(64, n, dtype=jnp.float32, meta=meta)

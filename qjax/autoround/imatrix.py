@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qjax.kernels import silu
+
 
 class _CaptureLinear(nnx.Module):
     def __init__(self, inner):
@@ -37,7 +39,7 @@ class _CaptureExperts(nnx.Module):
 
         def down_input(j):
             h = xf @ gu[j].astype(jnp.float32).T  # [N, 2I]
-            a = jax.nn.silu(h[:, :inter]) * h[:, inter:]
+            a = silu(h[:, :inter]) * h[:, inter:]
             return routed[:, j] @ jnp.square(a)  # [I]
 
         self.sow(nnx.Intermediate, "sq_down", jax.lax.map(down_input, jnp.arange(e)))  # [E, I]

@@ -41,6 +41,7 @@ from qjax.checkpoint.quant_plan import plan_quantization
 from qjax.checkpoint.view import Checkpoint, CheckpointView
 from qjax.kernels import dequantize
 from qjax.model.config import GenerationConfig, TextConfig
+from qjax.model.dtypes import model_dtype
 from qjax.model.quant_spec import ModelQuant
 from qjax.model.qwen3_5_moe import Qwen3_5MoeForCausalLM, abstract_model
 from qjax.model.sharding import plan_mesh, set_plan, state_shardings
@@ -100,8 +101,11 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
 
     Args:
       path: folder with ``config.json`` and ``model.safetensors`` or sharded files + ``model.safetensors.index.json``.
-      dtype: parameter/activation dtype (e.g. ``jnp.bfloat16``); default: the checkpoint's float dtype.
-        ``A_log`` and ``dt_bias`` stay float32 whatever is asked.
+      dtype: parameter/activation dtype, one of :data:`qjax.model.dtypes.MODEL_DTYPES` (a name or a dtype:
+        ``"float64"``, ``jnp.bfloat16``); default: the checkpoint's float dtype. ``A_log`` and ``dt_bias`` stay in
+        the accumulation dtype (float32; float64 for float64). float64 switches JAX's x64 mode on and computes every
+        step in float64; packed weights dequantize to the values compressed-tensors' decompression gives, exact in
+        float64.
       progress: a tqdm bar over the tensors on stderr; None = only for checkpoints over 256 MiB when stderr is a
         terminal.
       mesh: run on several devices: a dict of axis sizes (``{"data": 1, "tensor": 2, "expert": 4}``; missing axes
@@ -116,6 +120,8 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
       qjax.model.sharding.MeshError when the mesh does not divide the model's heads or experts.
     """
     path = os.fspath(path)
+    if dtype is not None:
+        dtype = model_dtype(dtype, "load_model(dtype=…)")  # before anything is traced: float64 switches x64 on
     cfg = TextConfig.from_file(path)
     plan = None
     if mesh is not None:

@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from qjax.cli.options import add_dtype_argument
+
 DEMO_CONFIG = {
     "model_type": "qwen3_5_moe_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 8,
     "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
@@ -51,8 +53,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="parameter/activation dtype (default: the checkpoint's)")
+    add_dtype_argument(p)
 
 
 def _sampling_kwargs(a) -> dict:
@@ -113,7 +114,7 @@ def cmd_inspect(a) -> int:
         if a.path is None:
             print("error: give a checkpoint PATH, or --config with --recipe", file=sys.stderr)
             return 2
-        p = plan_folder(a.path, mesh=a.mesh, verify=a.verify)
+        p = plan_folder(a.path, dtype=a.dtype, mesh=a.mesh, verify=a.verify)
         title = f"{a.path}"
     print(format_plan(p, title=title))
     if a.path is not None:
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--recipe", default=None,
                    help="preset (w2w4, w4a16, w8a16-g32, mxfp8-experts, bf16), 'experts=int2:g64,rest=int4:g128,"
                         "kv=fp8' or a JSON file with a quantization_config")
-    i.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
+    add_dtype_argument(i, what="the dtype the model would compute in")
     i.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="also print per-device memory on this mesh, e.g. tensor=2,expert=2 (no devices needed)")
     i.add_argument("--verify", action="store_true",

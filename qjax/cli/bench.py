@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from qjax.cli.options import add_dtype_argument
+
 
 def register(sub) -> None:
     from qjax.runtime.bench import RECIPES, Settings
@@ -30,7 +32,7 @@ def register(sub) -> None:
                    help=f"a recipe as for qjax inspect (preset or SELECTOR=SCHEME,...), or 'all' "
                         f"({', '.join(RECIPES)}); repeat for several (default: w2w4)")
     p.add_argument("--kv-fp8", action="store_true", help="static FP8 KV cache (adds kv=fp8 to every recipe)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    add_dtype_argument(p, default="bfloat16")
     p.add_argument("--prefill", default=",".join(f"{b}x{t}" for b, t in d.prefill),
                    help="prefill shapes BATCHxTOKENS,... (empty: none)")
     p.add_argument("--decode-batches", default=",".join(map(str, d.decode_batches)))

@@ -20,6 +20,8 @@ from typing import TextIO
 
 import numpy as np
 
+from qjax.cli.options import add_dtype_argument
+
 # chat prompts are left-padded to a multiple of this, so that turns of similar length reuse the compiled prefill and
 # decode step (their shapes depend on the prompt length); left pads are exact no-ops in qjax's cached generation
 CHAT_PAD_MULTIPLE = 128
@@ -280,8 +282,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -
     p.add_argument("--top-k", type=int, default=None, help="default: generation_config.json")
     p.add_argument("--top-p", type=float, default=None, help="default: generation_config.json")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="parameter/activation dtype (default: the checkpoint's)")
+    add_dtype_argument(p)
     p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="run on several devices, e.g. tensor=2,expert=4 (axes data, tensor, expert; see README)")
     add_verify_argument(p)

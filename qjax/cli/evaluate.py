@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 
+from qjax.cli.options import add_dtype_argument, dtype
 from qjax.evaluation.evaluate import PerplexityReport
 
 PPL_HELP = ("Perplexity of a text file under a checkpoint, tokenized with the folder's tokenizer. Method: "
@@ -29,7 +30,9 @@ COMPARE_HELP = (
     "(float32, eager attention, CPU) holding the folder's own weights — quantized ones decompressed by "
     "compressed-tensors (auto_round folders through qjax's bit-exact conversion), static FP8 KV scales emulated on "
     "both sides — and qjax; error of the embeddings, each decoder block's output, the final norm and the logits. The "
-    "transformers side needs float32 host memory for the whole model.")
+    "transformers side needs float32 host memory for the whole model. --dtype float64 adds the ground truth: both "
+    "in float64 (transformers' float32 pins promoted), then each implementation's float32 and bfloat16 error "
+    "against it, block by block.")
 
 
 def _dtype(name):
@@ -72,7 +75,7 @@ def cmd_fidelity(a) -> int:
 
 def cmd_compare(a) -> int:
     from qjax.checkpoint.hub import default_model_dir
-    from qjax.evaluation.compare import CompareError, compare_folder
+    from qjax.evaluation.compare import CompareError, compare_folder, compare_truth
     from qjax.model.config import TextConfig
 
     model = a.model or default_model_dir()
@@ -95,7 +98,10 @@ def cmd_compare(a) -> int:
         ids = np.random.default_rng(a.seed).integers(0, vocab, (1, a.seqlen or 80))
     if ids.size == 0:
         raise CompareError("the input has no tokens")
-    report = compare_folder(model, ids, dtype=a.dtype, quiet=a.quiet)
+    if a.dtype == "float64":
+        report = compare_truth(model, ids, quiet=a.quiet)
+    else:
+        report = compare_folder(model, ids, dtype=a.dtype, quiet=a.quiet)
     _emit(report, a, tol=a.tol)
     return 0
 
@@ -113,8 +119,8 @@ def register(subparsers) -> None:
                         "objects with 'text'); documents are joined by a blank line (default: the model folder's "
                         "heldout.txt)")
     p.add_argument("--seqlen", type=int, default=2048,
-                   help="model inputs per window (default 2048); data with fewer than seqlen + 1 tokens is scored as one "
-                        "window of its own length (a note on stderr says so)")
+                   help="model inputs per window (default 2048); data with fewer than seqlen + 1 tokens is scored as "
+                        "one window of its own length (a note on stderr says so)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward call (default 8)")
     p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of the data")
     _common(p)
@@ -144,8 +150,10 @@ def register(subparsers) -> None:
                    help="without --prompt/--ids: this many seeded random token ids (default 80, which crosses the "
                         "64-token chunk of the delta rule)")
     c.add_argument("--seed", type=int, default=0, help="seed of the random ids")
-    c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="qjax's dtype (transformers always runs float32; default float32)")
+    c.add_argument("--dtype", type=dtype, choices=["float32", "bfloat16", "float64"], default="float32",
+                   help="float32 / bfloat16: qjax's dtype against transformers in float32 (default float32). float64: "
+                        "ground truth — transformers in float64 everywhere is the truth, and qjax and transformers "
+                        "each in float32 and bfloat16 are reported side by side by their distance to it")
     c.add_argument("--tol", type=float, default=1e-4,
                    help="a block diverges when its max abs error exceeds this fraction of its max |value| "
                         "(default 1e-4)")
@@ -155,7 +163,6 @@ def register(subparsers) -> None:
 
 
 def _common(p) -> None:
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="parameter/activation dtype (default: the checkpoint's)")
+    add_dtype_argument(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

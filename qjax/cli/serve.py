@@ -47,9 +47,10 @@ IGNORED_FLAGS: dict[str, str] = {
 _VALUE_IGNORED = {"--gdn-prefill-backend", "--moe-backend", "--data-parallel-size-local", "--limit-mm-per-prompt",
                   "--swap-space", "--block-size", "--mamba-cache-mode", "--compilation-config",
                   "--tool-call-parser", "--distributed-executor-backend"}
+# vLLM's --dtype spellings → qjax.model.dtypes.MODEL_DTYPES (float64 is qjax's own: every step in float64)
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
-          "float32": "float32", "float": "float32"}
-KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32")
+          "float32": "float32", "float": "float32", "float64": "float64", "double": "float64"}
+KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32", "float64")
 CPU_DEFAULT_SEQS = 16  # a CPU decodes a batch no faster per sequence than this many at once
 GPU_DEFAULT_SEQS = 256  # vLLM's default
 
@@ -298,7 +299,7 @@ def _serve(a: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise ServeError(f"--chat-template {a.chat_template}: cannot read ({e})") from None
     dtype = DTYPES[a.dtype]
-    model = qjax.load_model(folder, dtype=jnp.dtype(dtype) if dtype else None, mesh=mesh, verify=a.verify)
+    model = qjax.load_model(folder, dtype=dtype, mesh=mesh, verify=a.verify)
     if a.kv_cache_dtype in ("fp8", "fp8_e4m3"):
         if not model.kv_fp8:
             _note("--kv-cache-dtype fp8: the checkpoint has no static K/V scales; using 1.0 (as vLLM does)")

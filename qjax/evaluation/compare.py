@@ -10,9 +10,16 @@ replaces its last entry with the post-final-norm state, so its hidden states are
 ``forward(output_hidden_states=True)`` (embeddings + every block, pre-norm) and ``ForwardOutput.hidden`` (post-norm).
 
 Errors per row: max |Δ|, mean |Δ|, and max |Δ| / max |ref| (relative to the reference tensor's scale, which grows
-through the residual stream). The first diverging block is the first decoder block whose relative error exceeds the
-tolerance (default 1e-4: qjax matches transformers in float32 to ≈1e-6 relative per block on random models; a wrong
-weight or op moves a block by 1e-2 or more).
+through the residual stream).
+
+Ground truth (:func:`compare_truth`, ``qjax compare --dtype float64``): transformers in float64 everywhere
+(:func:`qjax.evaluation.torch_reference.float64_everywhere`) is the truth; qjax in float64 is checked against it
+(≈1e-14 relative: the same math), then qjax and transformers each run in float32 and bfloat16 on the same weights and
+ids, and every row reports how far each is from the truth, side by side — who is closer, block by block.
+
+The first diverging block is the first decoder block whose relative error exceeds the tolerance (default 1e-4: qjax
+matches transformers in float32 to ≈1e-6 relative per block on random models; a wrong weight or op moves a block by
+1e-2 or more).
 """
 
 from __future__ import annotations
@@ -118,7 +125,7 @@ def _transformers_states(hf, ids: np.ndarray) -> tuple[list[np.ndarray], np.ndar
     def keep(name):
         def hook(_module, _inputs, output):
             out = output[0] if isinstance(output, tuple) else output
-            seen[name] = out.detach().float().numpy()
+            seen[name] = out.detach().double().numpy()  # float64: exact for every dtype compared
         return hook
 
     inner = hf.model
@@ -132,14 +139,14 @@ def _transformers_states(hf, ids: np.ndarray) -> tuple[list[np.ndarray], np.ndar
         for h in handles:
             h.remove()
     states = [seen["embed"]] + [seen[f"layer{i}"] for i in range(len(inner.layers))]
-    return states, seen["norm"], logits.float().numpy()
+    return states, seen["norm"], logits.double().numpy()
 
 
 def _qjax_states(model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(``[L + 1, B, T, H]`` embeddings + block outputs, final-norm output, logits) from one jitted forward."""
     graphdef, state = nnx.split(model)
     hs, h, logits = _jit_states(graphdef, state, jnp.asarray(ids, jnp.int32))
-    return np.asarray(hs, np.float32), np.asarray(h, np.float32), np.asarray(logits, np.float32)
+    return np.asarray(hs, np.float64), np.asarray(h, np.float64), np.asarray(logits, np.float64)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -156,12 +163,7 @@ def compare_blocks(model, hf, ids, *, fp8_kv: bool = False) -> CompareReport:
     Returns:
       a :class:`CompareReport` (rows: embed, block 0..L-1, final norm, logits).
     """
-    ids = np.asarray(ids, np.int64)
-    if ids.ndim == 1:
-        ids = ids[None]
-    vocab = model.config.vocab_size
-    if ids.size == 0 or ids.min() < 0 or ids.max() >= vocab:
-        raise CompareError(f"token ids must be non-empty and in [0, {vocab})")
+    ids = _check_ids(ids, model.config.vocab_size)
     want_states, want_norm, want_logits = _transformers_states(hf, ids)
     got_states, got_norm, got_logits = _qjax_states(model, ids)
     n_layers = model.config.num_hidden_layers
@@ -179,12 +181,118 @@ def compare_blocks(model, hf, ids, *, fp8_kv: bool = False) -> CompareReport:
                          fp8_kv_from=first_full)
 
 
-def compare_folder(folder: str, ids, *, dtype=None, quiet: bool = False) -> CompareReport:
-    """:func:`compare_blocks` for any checkpoint folder qjax loads: qjax loads it in ``dtype`` (default float32); the
-    reference is transformers in float32 with the folder's weights as compressed-tensors decompresses them
-    (:func:`qjax.evaluation.torch_reference.build_reference`), FP8 KV emulated on both sides when the folder has
-    static scales. ``quiet``: no notices from transformers."""
-    TextConfig.from_file(folder)  # a wrong --model fails here, naming its config.json
+def _check_ids(ids, vocab: int) -> np.ndarray:
+    ids = np.asarray(ids, np.int64)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.size == 0 or ids.min() < 0 or ids.max() >= vocab:
+        raise CompareError(f"token ids must be non-empty and in [0, {vocab})")
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class TruthRow:
+    name: str  # "embed", "block 3", "final norm", "logits"
+    kind: str
+    block: int | None
+    float64: float  # max |qjax float64 − truth| / max |truth|
+    errors: dict  # dtype → {"qjax": (max rel, rms rel), "transformers": (max rel, rms rel)}, relative to max |truth|
+
+    def closer(self, dtype: str) -> str:
+        """Which implementation is closer to the truth in ``dtype`` by RMS error ("qjax", "transformers" or "same";
+        the RMS, not the max, which is one element's error and swings with chance)."""
+        q, t = self.errors[dtype]["qjax"][1], self.errors[dtype]["transformers"][1]
+        return "same" if q == t else ("qjax" if q < t else "transformers")
+
+
+@dataclasses.dataclass(frozen=True)
+class TruthReport:
+    rows: list[TruthRow]
+    tokens: int
+    dtypes: tuple[str, ...]  # the dtypes compared against the truth
+    top1: dict  # dtype → {"qjax": agreement of logits argmax with the truth's, "transformers": …}
+    reference: str = "transformers"
+    fp8_kv: bool = False
+
+    def to_dict(self, tol: float | None = None) -> dict:
+        return {"truth": "transformers float64 everywhere", "tokens": self.tokens, "dtypes": list(self.dtypes),
+                "reference": self.reference, "fp8_kv": self.fp8_kv, "top1_agreement": self.top1,
+                "rows": [dataclasses.asdict(r) for r in self.rows]}
+
+    def format(self, tol: float | None = None) -> str:
+        """The side-by-side table (``tol`` is accepted for the CLI's sake; nothing is judged here)."""
+        worst64 = max(r.float64 for r in self.rows)
+        lines = [f"float64 truth: transformers in float64 everywhere; qjax float64 agrees to {worst64:.1e} of each "
+                 f"row's max |value| (every step in float64 on both sides) on {self.tokens} tokens",
+                 f"reference: {self.reference}" + ("; FP8 KV cache emulated on both sides" if self.fp8_kv else ""),
+                 "errors against the truth, relative to the row's max |value|: max / RMS; closer = smaller RMS", ""]
+        head = f"{'':12s} {'layer type':18s}"
+        for d in self.dtypes:
+            head += f" | {d + ': qjax':>21s} {'transformers':>19s} {'closer':>12s}"
+        lines.append(head)
+        for r in self.rows:
+            line = f"{r.name:12s} {r.kind:18s}"
+            for d in self.dtypes:
+                (qm, qr), (tm, tr) = r.errors[d]["qjax"], r.errors[d]["transformers"]
+                line += f" | {qm:9.2e} / {qr:8.2e} {tm:9.2e} / {tr:8.2e} {r.closer(d):>12s}"
+            lines.append(line)
+        for d in self.dtypes:
+            lines.append(f"logits top-1 agreement with the truth, {d}: qjax {100 * self.top1[d]['qjax']:.2f} %, "
+                         f"transformers {100 * self.top1[d]['transformers']:.2f} %")
+        return "\n".join(lines)
+
+
+def _truth_rel(got: np.ndarray, truth: np.ndarray) -> tuple[float, float]:
+    scale = float(np.abs(truth).max()) or 1.0
+    d = np.abs(np.asarray(got, np.float64) - truth)
+    return float(d.max()) / scale, float(np.sqrt(np.mean(d * d))) / scale
+
+
+def _rows_of(states) -> list[np.ndarray]:
+    """(block states, final norm, logits) → one array per report row: embed, blocks, final norm, logits."""
+    blocks, norm, logits = states
+    return [*blocks, norm, logits]
+
+
+def compare_truth(folder: str, ids, *, dtypes=("float32", "bfloat16"), quiet: bool = False) -> TruthReport:
+    """``qjax compare --dtype float64``: qjax and transformers against the float64 truth (module docstring), on any
+    folder :func:`compare_folder` takes (quantized ones through the decompressed-weights reference: in every dtype
+    the weights are compressed-tensors' decompression output, exact in float64). Switches JAX's x64 mode on."""
+    _quiet_transformers(quiet)
+    cfg = TextConfig.from_file(folder)  # a wrong --model fails here, naming its config.json
+    ids = _check_ids(ids, cfg.vocab_size)
+    try:
+        truth_ref = build_reference(folder, "float64")
+        with truth_ref.running():
+            truth = _rows_of(_transformers_states(truth_ref.model, ids))
+    except ReferenceError as e:
+        raise CompareError(f"--model {folder}: no reference: {e}") from None
+    del truth_ref
+    mine = _rows_of(_qjax_states(qjax.load_model(folder, dtype="float64"), ids))
+    errors: list[dict] = [{} for _ in truth]
+    top1 = {}
+    for d in dtypes:
+        try:
+            ref = build_reference(folder, d)
+        except ReferenceError as e:
+            raise CompareError(f"--model {folder}: no {d} reference: {e}") from None
+        sides = {"qjax": _rows_of(_qjax_states(qjax.load_model(folder, dtype=d), ids)),
+                 "transformers": _rows_of(_transformers_states(ref.model, ids))}
+        for i, t in enumerate(truth):
+            errors[i][d] = {side: _truth_rel(states[i], t) for side, states in sides.items()}
+        top1[d] = {side: float(np.mean(np.argmax(states[-1], -1) == np.argmax(truth[-1], -1)))
+                   for side, states in sides.items()}
+    n = cfg.num_hidden_layers
+    names = ["embed", *(f"block {i}" for i in range(n)), "final norm", "logits"]
+    kinds = ["", *cfg.layer_types, "", ""]
+    rows = [TruthRow(name=names[i], kind=kinds[i], block=i - 1 if 0 < i <= n else None,
+                     float64=_truth_rel(mine[i], truth[i])[0], errors=errors[i]) for i in range(len(truth))]
+    return TruthReport(rows=rows, tokens=int(ids.size), dtypes=tuple(dtypes), top1=top1,
+                       reference=f"{ref.versions}; {ref.decompressed} quantized modules decompressed by "
+                                 "compressed-tensors", fp8_kv=ref.fp8_kv)
+
+
+def _quiet_transformers(quiet: bool) -> None:
     if quiet:
         try:
             import transformers
@@ -193,6 +301,15 @@ def compare_folder(folder: str, ids, *, dtype=None, quiet: bool = False) -> Comp
             transformers.utils.logging.disable_progress_bar()
         except ImportError:
             pass  # build_reference says what is missing
+
+
+def compare_folder(folder: str, ids, *, dtype=None, quiet: bool = False) -> CompareReport:
+    """:func:`compare_blocks` for any checkpoint folder qjax loads: qjax loads it in ``dtype`` (default float32); the
+    reference is transformers in float32 with the folder's weights as compressed-tensors decompresses them
+    (:func:`qjax.evaluation.torch_reference.build_reference`), FP8 KV emulated on both sides when the folder has
+    static scales. ``quiet``: no notices from transformers."""
+    TextConfig.from_file(folder)  # a wrong --model fails here, naming its config.json
+    _quiet_transformers(quiet)
     try:
         ref = build_reference(folder)
     except ReferenceError as e:

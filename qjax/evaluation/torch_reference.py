@@ -10,10 +10,18 @@ auto_round folders (GPTQ/AWQ packing) are read through qjax's bit-exact conversi
 (:mod:`qjax.checkpoint.auto_round`, checked against auto-round's own packing in the tests), then decompressed the
 same way. With static FP8 KV scales, K (after k_norm + RoPE) and V go through E4M3 with the stored scales before
 eager attention — what qjax's forward does — so the FP8 KV cache is emulated on both sides.
+
+In float64 (the ground truth of ``qjax compare --dtype float64``) transformers' code is not float64 by itself: it pins
+float32 in RoPE (``inv_freq``, the angles, the rotation), the RMSNorms, the GDN gated norm, the gated delta rule
+(chunked and recurrent), the decay ``g``, the attention softmax and the router softmax — a ``.to(float64)`` model is
+1e-6 to 1e-5 off the float64 truth through them. :func:`float64_everywhere` runs the same code with every such
+float32 request promoted to float64 (a ``TorchFunctionMode``) and records any op that still returns a narrower float,
+which :func:`build_reference` refuses; the routed experts run transformers' eager loop (``grouped_mm`` has no float64).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -37,17 +45,69 @@ class ReferenceError(ValueError):
     """The folder's reference cannot be built; the message says which tensor or config part, and why."""
 
 
+REFERENCE_DTYPES = ("float64", "float32", "bfloat16")
+
+
 @dataclasses.dataclass
 class Reference:
-    model: object  # transformers Qwen3_5MoeForCausalLM, float32, eval mode
-    dtype: str  # what it runs in ("float32")
+    model: object  # transformers Qwen3_5MoeForCausalLM in ``dtype``, eval mode
+    dtype: str  # what it runs in: "float32", "float64" (everywhere: see float64_everywhere) or "bfloat16"
     decompressed: int  # quantized modules decompressed by compressed-tensors
     fp8_kv: bool  # K/V fake-quantized to E4M3 with the stored scales (qjax does the same)
     versions: str  # "transformers 5.24.0, compressed-tensors 0.20.1"
 
+    def running(self):
+        """The context every forward of :attr:`model` runs in (float64: :func:`float64_everywhere`, checked on
+        exit: an op that still computed in a narrower float raises ReferenceError)."""
+        return float64_everywhere(strict=True) if self.dtype == "float64" else contextlib.nullcontext()
 
-def build_reference(folder: str | os.PathLike) -> Reference:
-    """The float32 transformers model of ``folder``'s weights (see the module docstring)."""
+
+def float64_everywhere(strict: bool = False):
+    """A ``TorchFunctionMode`` under which torch code asking for float32 (``.float()``, ``.to(torch.float32)``,
+    ``dtype=torch.float`` in softmax, arange, zeros, …) gets float64. ``strict``: leaving the block raises
+    ReferenceError if any op inside returned a float32 / bfloat16 / float16 tensor (a pin it did not catch)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    narrow = (torch.float32, torch.bfloat16, torch.float16)
+
+    def promote(x):
+        if x is torch.float32:
+            return torch.float64
+        if isinstance(x, (list, tuple)):
+            return type(x)(promote(v) for v in x)
+        return x
+
+    class Float64Everywhere(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.narrowed: dict[str, int] = {}
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.float:
+                func = torch.Tensor.double
+            out = func(*promote(args), **{k: promote(v) for k, v in (kwargs or {}).items()})
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor) and o.dtype in narrow:
+                    name = getattr(func, "__qualname__", None) or str(func)
+                    self.narrowed[name] = self.narrowed.get(name, 0) + 1
+            return out
+
+        def __exit__(self, *exc):
+            result = super().__exit__(*exc)
+            if strict and self.narrowed and exc[0] is None:
+                raise ReferenceError(f"transformers computed in a narrower float than float64 in "
+                                     f"{sorted(self.narrowed)[:5]}: the float64 reference would not be the truth")
+            return result
+
+    return Float64Everywhere()
+
+
+def build_reference(folder: str | os.PathLike, dtype: str = "float32") -> Reference:
+    """The transformers model of ``folder``'s weights in ``dtype`` (one of :data:`REFERENCE_DTYPES`; see the module
+    docstring). Quantized weights are compressed-tensors' decompression output in every dtype (exact in float64)."""
+    if dtype not in REFERENCE_DTYPES:
+        raise ReferenceError(f"the reference runs in one of {REFERENCE_DTYPES}, not {dtype!r}")
     try:
         import compressed_tensors
         import torch
@@ -73,7 +133,9 @@ def build_reference(folder: str | os.PathLike) -> Reference:
         m = KV_SCALE.match(name)
         if m:
             kv.setdefault(int(m[1]), {})[m[2]] = weights.pop(name).float()
-    state = _fused({k: v.float() for k, v in weights.items()})
+    torch_dtype = getattr(torch, dtype)
+    # float64: the decompressed (bf16 / fp32) values are exact; bfloat16: qjax's bf16 model rounds them the same way
+    state = _fused({k: v.to(torch_dtype) for k, v in weights.items()})
     for key in ("quantization_config", "architectures", "transformers_version", "model_type", "dtype",
                 "torch_dtype", "auto_map"):
         text.pop(key, None)
@@ -82,8 +144,11 @@ def build_reference(folder: str | os.PathLike) -> Reference:
     except (TypeError, ValueError) as e:
         raise ReferenceError(f"{path}: transformers refuses the text config: {e}") from None
     cfg._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        model = Qwen3_5MoeForCausalLM(cfg).float().eval()
+    if dtype == "float64":
+        cfg._experts_implementation = "eager"  # grouped_mm has no float64
+    with torch.random.fork_rng(devices=[]), (float64_everywhere() if dtype == "float64" else contextlib.nullcontext()):
+        # under float64_everywhere the RoPE inverse frequencies are computed in float64, not rounded to float32
+        model = Qwen3_5MoeForCausalLM(cfg).to(torch_dtype).eval()
     if "lm_head.weight" not in state and cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     result = model.load_state_dict(state, strict=False)
@@ -92,7 +157,7 @@ def build_reference(folder: str | os.PathLike) -> Reference:
                              f"{sorted(result.missing_keys)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]})")
     if kv:
         _emulate_fp8_kv(model, kv, folder)
-    return Reference(model=model, dtype="float32", decompressed=len(decompressed), fp8_kv=bool(kv),
+    return Reference(model=model, dtype=dtype, decompressed=len(decompressed), fp8_kv=bool(kv),
                      versions=f"transformers {transformers.__version__}, compressed-tensors "
                               f"{compressed_tensors.__version__}")
 
@@ -234,8 +299,9 @@ def _fp8_kv_attention(eager):
     import torch
 
     def quantize(x, scale):
-        s = scale.float().reshape(1, -1, 1, 1)
-        return ((x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32  # as qjax's accumulation dtype
+        s = scale.to(wide).reshape(1, -1, 1, 1)
+        return ((x.to(wide) / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(wide) * s).to(x.dtype)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         k_scale, v_scale = module._qjax_kv_scales

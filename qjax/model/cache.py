@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from qjax.kernels import accum_dtype
 from qjax.model.config import FULL, TextConfig
 
 
 @struct.dataclass
 class GDNState:
     conv: jnp.ndarray  # [G, B, K-1, conv_dim] last pre-conv inputs (only K-1 influence the next output), model dtype
-    recurrent: jnp.ndarray  # [G, B, Hv, Dk, Dv] float32 — bf16 corrupts long decodes
+    recurrent: jnp.ndarray  # [G, B, Hv, Dk, Dv] float32 (float64 model: float64) — bf16 corrupts long decodes
 
 
 @struct.dataclass
@@ -61,7 +62,7 @@ class Cache:
             else:
                 conv = jnp.zeros((g, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype)
                 rec = jnp.zeros((g, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                 cfg.linear_value_head_dim), jnp.float32)
+                                 cfg.linear_value_head_dim), accum_dtype(dtype))
                 slots.append(GDNState(conv=conv, recurrent=rec))
         return cls(slots=tuple(slots), key_valid=jnp.zeros((batch, max_len), bool),
                    positions=jnp.zeros((batch,), jnp.int32), lengths=jnp.zeros((batch,), jnp.int32))
@@ -121,6 +122,13 @@ def scatter_rows(x: jnp.ndarray, rows: Rows, value: jnp.ndarray) -> jnp.ndarray:
     return x.at[rows].set(value, mode="drop")
 
 
+def _start(group, ndim: int) -> tuple:
+    """``(group, 0, …)`` all int32: with JAX's x64 mode on (a float64 model), Python zeros would be int64 next to the
+    int32 group index, which dynamic slices refuse."""
+    group = jnp.asarray(group, jnp.int32)
+    return (group,) + (jnp.zeros((), jnp.int32),) * (ndim - 1)
+
+
 def read_layer(stack: jnp.ndarray, group, rows: Rows, slots: int | None = None) -> jnp.ndarray:
     """Layer ``group`` of a ``[G, B, …]`` cache stack at ``rows`` → ``[b, …]``; ``slots``: of a K/V stack
     ``[G, B, H, S, D]`` only the first ``slots`` slots. An index array is one gather of just those rows (slicing the
@@ -132,7 +140,7 @@ def read_layer(stack: jnp.ndarray, group, rows: Rows, slots: int | None = None) 
             size[1] = rows
         if slots is not None:
             size[3] = slots
-        return jax.lax.dynamic_slice(stack, (group,) + (0,) * (stack.ndim - 1), size)[0]
+        return jax.lax.dynamic_slice(stack, _start(group, stack.ndim), size)[0]
     if slots is None:
         return stack.at[group, rows].get(mode="clip")
     return stack.at[group, rows, :, :slots].get(mode="clip")
@@ -142,8 +150,7 @@ def write_layer(stack: jnp.ndarray, group, rows: Rows, value: jnp.ndarray) -> jn
     """``stack [G, B, …]`` with layer ``group``'s ``rows`` replaced by ``value [b, …]`` (in place under jit)."""
     value = value.astype(stack.dtype)
     if rows is None or isinstance(rows, int):
-        start = (group,) + (0,) * (stack.ndim - 1)
-        return jax.lax.dynamic_update_slice(stack, value[None], start)
+        return jax.lax.dynamic_update_slice(stack, value[None], _start(group, stack.ndim))
     return stack.at[group, rows].set(value, mode="drop")
 
 

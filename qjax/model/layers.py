@@ -2,7 +2,8 @@
 
 Weights keep Hugging Face's ``[out, in]`` layout so checkpoint tensors (and later their packed quantized forms, which
 pack along ``in``) map one to one. Matmuls accumulate in float32 and return the activation dtype, as torch's CPU and
-cuBLAS bf16 GEMMs do.
+cuBLAS bf16 GEMMs do; the norms' reductions run in float32 too. A float64 model does all of it in float64
+(:func:`qjax.kernels.accum_dtype`, the one place that rule is stated).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.kernels import QuantMeta, dequantize, matmul, qmatmul
+from qjax.kernels import QuantMeta, accum_dtype, dequantize, dot_precision, matmul, qmatmul, silu
 from qjax.model.quant_layers import init_packed, packed_arrays
 
 
@@ -57,27 +58,29 @@ class Linear(nnx.Module):
             return self.mesh_plan.qmatmul(x, self.arrays(), self.meta, self.tp_split)
         return qmatmul(x, *self.arrays(), self.meta, layer=layer)
 
-    def float32(self, x: jnp.ndarray) -> jnp.ndarray:
-        """``x @ Wᵀ`` returned in float32 (the lm_head's logits): the same fp32 accumulation, without the rounding
-        to x's dtype. A packed weight is dequantized first (the lm_head is read once per call either way)."""
+    def accumulated(self, x: jnp.ndarray) -> jnp.ndarray:
+        """``x @ Wᵀ`` returned in the accumulation dtype (the lm_head's logits: float32, float64 for a float64
+        model) — the same accumulation, without the rounding to x's dtype. A packed weight is dequantized first (the
+        lm_head is read once per call either way)."""
         w = self.weight[...].astype(x.dtype) if self.meta is None else dequantize(*self.arrays(), self.meta, x.dtype)
-        precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
-                                   preferred_element_type=jnp.float32)
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=dot_precision(x.dtype),
+                                   preferred_element_type=accum_dtype(x.dtype))
 
 
 class RMSNorm(nnx.Module):
-    """Zero-centred RMSNorm: ``cast(rms(f32 x) · (1 + f32 w))`` — the weight is an offset initialised to 0."""
+    """Zero-centred RMSNorm: ``cast(rms(f32 x) · (1 + f32 w))`` — the weight is an offset initialised to 0 (f32: the
+    accumulation dtype)."""
 
     def __init__(self, dim: int, eps: float, *, dtype):
         self.weight = nnx.Param(jnp.zeros((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        xf = x.astype(jnp.float32)
+        acc = accum_dtype(x.dtype)
+        xf = x.astype(acc)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         # multiply in fp32 before the cast (not Llama's cast-then-multiply)
-        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return (y * (1.0 + self.weight[...].astype(acc))).astype(x.dtype)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -91,11 +94,11 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jnp.ndarray, z: jnp.ndarray) -> jnp.ndarray:
-        dt = x.dtype
-        xf = x.astype(jnp.float32)
+        dt, acc = x.dtype, accum_dtype(x.dtype)
+        xf = x.astype(acc)
         n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(dt)
         n = self.weight[...].astype(dt) * n
-        return (n.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
+        return (n.astype(acc) * silu(z.astype(acc))).astype(dt)
 
 
 class MLP(nnx.Module):
@@ -105,4 +108,4 @@ class MLP(nnx.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
     def __call__(self, x: jnp.ndarray, layer=None) -> jnp.ndarray:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x, layer)) * self.up_proj(x, layer), layer)
+        return self.down_proj(silu(self.gate_proj(x, layer)) * self.up_proj(x, layer), layer)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.kernels import QuantMeta, moe_experts
+from qjax.kernels import QuantMeta, accum_dtype, moe_experts
 from qjax.model.layers import MLP, Linear, init_normal
 from qjax.model.linears import linear
 from qjax.model.quant_layers import PackedWeight, expert_operand
@@ -20,14 +20,15 @@ from qjax.model.sharding import expert_parallel
 
 
 def route(router_logits: jnp.ndarray, top_k: int) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Softmax over all experts in fp32, top-k, renormalise (no ``norm_topk_prob`` flag: always on).
+    """Softmax over all experts in fp32 (float64 model: float64), top-k, renormalise (no ``norm_topk_prob`` flag:
+    always on).
 
     Args:
       router_logits: ``[N, E]`` in the model dtype.
     Returns:
       weights ``[N, k]`` in the model dtype, expert indices ``[N, k]`` int32.
     """
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    probs = jax.nn.softmax(router_logits.astype(accum_dtype(router_logits.dtype)), axis=-1)
     w, idx = jax.lax.top_k(probs, top_k)
     w = w / jnp.sum(w, axis=-1, keepdims=True)
     return w.astype(router_logits.dtype), idx.astype(jnp.int32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.kernels import QuantMeta, dense_meta
+from qjax.kernels import QuantMeta, accum_dtype, dense_meta
 
 
 class Packed(nnx.Variable):
@@ -62,14 +62,17 @@ def expert_operand(w) -> tuple:
 
 
 def fake_quant_fp8(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
-    """``e4m3(clamp(x / s, ±448)) · s`` in fp32, back in x's dtype. ``scale`` broadcasts over x (per tensor or head)."""
+    """``e4m3(clamp(x / s, ±448)) · s`` in fp32 (float64 for float64 x), back in x's dtype. ``scale`` broadcasts over
+    x (per tensor or head)."""
     codes = quantize_fp8(x, scale)
-    return (codes.astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
+    acc = accum_dtype(x.dtype)
+    return (codes.astype(acc) * scale.astype(acc)).astype(x.dtype)
 
 
 def quantize_fp8(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
     """float8_e4m3fn codes of ``x / scale``, saturated at ±448 as compressed-tensors and vLLM clamp before casting."""
-    y = x.astype(jnp.float32) / scale.astype(jnp.float32)
+    acc = accum_dtype(x.dtype)
+    y = x.astype(acc) / scale.astype(acc)
     return jnp.clip(y, -448.0, 448.0).astype(jnp.float8_e4m3fn)
 
 

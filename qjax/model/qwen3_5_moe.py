@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from qjax.kernels import gated_delta_step
+from qjax.kernels import accum_dtype, dot_precision, gated_delta_step, silu
 from qjax.model import gdn
 from qjax.model.cache import Cache, GDNState, KVState, gather_rows, read_layer, scatter_rows, write_layer, write_tokens
 from qjax.model.config import FULL, LINEAR, TextConfig
+from qjax.model.dtypes import check_x64, model_dtype
 from qjax.model.layers import GatedRMSNorm, Linear, RMSNorm, init_normal
 from qjax.model.linears import linear
 from qjax.model.moe import Experts, SparseMoeBlock
@@ -98,8 +99,9 @@ class GatedAttention(nnx.Module):
             # call's tokens included)
             keys, values = (read_layer(c, g, rows, ctx.kv_len) for c in (kv.k, kv.v))
             if fp8:
-                keys = (keys.astype(jnp.float32) * ks[:, None]).astype(x.dtype)
-                values = (values.astype(jnp.float32) * vs[:, None]).astype(x.dtype)
+                acc = accum_dtype(x.dtype)
+                keys = (keys.astype(acc) * ks[:, None].astype(acc)).astype(x.dtype)
+                values = (values.astype(acc) * vs[:, None].astype(acc)).astype(x.dtype)
             else:
                 keys, values = keys.astype(x.dtype), values.astype(x.dtype)
         else:
@@ -113,7 +115,7 @@ class GatedAttention(nnx.Module):
 
 
 def attention(q, k, v, ctx: StepContext) -> jnp.ndarray:
-    """Causal GQA softmax attention in fp32; q head h reads kv head ``h // (Hq/Hkv)``.
+    """Causal GQA softmax attention in fp32 (float64 for a float64 model); q head h reads kv head ``h // (Hq/Hkv)``.
 
     Args:
       q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, S, D]`` (S = T without a cache, the slots read with one) — the cache's
@@ -124,14 +126,14 @@ def attention(q, k, v, ctx: StepContext) -> jnp.ndarray:
     b, t, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32)
+    precision, acc = dot_precision(q.dtype), accum_dtype(q.dtype)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, precision=precision, preferred_element_type=acc)
     scores = scores * (d ** -0.5)
     allowed = (jnp.arange(s)[None, None, :] <= ctx.query_slot[..., None]) & ctx.key_valid[:, None, :s]  # [B, T, S]
     # a finite minimum (not -inf) keeps fully masked rows (queries at left pads) NaN-free
-    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(acc).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    o = jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=precision, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=precision, preferred_element_type=acc)
     return o.astype(q.dtype).reshape(b, t, hq, d)
 
 
@@ -153,8 +155,9 @@ class Conv1d(nnx.Module):
         kernel = self.weight.shape[-1]
         t = x.shape[1]
         xc = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
-        w = self.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
-        y = sum(xc[:, i:i + t].astype(jnp.float32) * w[:, i] for i in range(kernel))
+        acc = accum_dtype(x.dtype)
+        w = self.weight[...][:, 0, :].astype(acc)  # [C, K]
+        y = sum(xc[:, i:i + t].astype(acc) * w[:, i] for i in range(kernel))
         if span is None:
             new_window = xc[:, xc.shape[1] - (kernel - 1):]
         else:
@@ -175,10 +178,12 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj_b = lin("linear_attn.in_proj_b")
         self.in_proj_a = lin("linear_attn.in_proj_a")
         self.conv1d = Conv1d(cfg.conv_dim, self.conv_kernel, dtype=dtype, rngs=rngs)
-        # decay parameters stay fp32 whatever the model dtype: g = −exp(A_log)·softplus(a + dt_bias) is precision-bound
-        self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), jnp.float32))
-        a_init = (jax.random.uniform(rngs.params(), (self.num_v_heads,), jnp.float32, 0.01, 16.0)
-                  if rngs is not None else jnp.ones((self.num_v_heads,), jnp.float32))
+        # decay parameters stay in the accumulation dtype (fp32, or float64) whatever the model dtype:
+        # g = −exp(A_log)·softplus(a + dt_bias) is precision-bound
+        acc = accum_dtype(dtype)
+        self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), acc))
+        a_init = (jax.random.uniform(rngs.params(), (self.num_v_heads,), jnp.float32, 0.01, 16.0).astype(acc)
+                  if rngs is not None else jnp.ones((self.num_v_heads,), acc))
         self.A_log = nnx.Param(jnp.log(a_init))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, dtype=dtype)
         self.out_proj = lin("linear_attn.out_proj")
@@ -200,12 +205,12 @@ class GatedDeltaNet(nnx.Module):
         else:
             window = jnp.zeros((b, self.conv_kernel - 1, mixed.shape[-1]), mixed.dtype)
         mixed, new_window = self.conv1d(mixed, window, None if state is None else ctx.span)
-        mixed = jax.nn.silu(mixed)
+        mixed = silu(mixed)
         q = mixed[..., :self.key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = mixed[..., self.key_dim:2 * self.key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
         v = mixed[..., 2 * self.key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        acc = accum_dtype(x.dtype)
+        g = -jnp.exp(self.A_log[...].astype(acc)) * jax.nn.softplus(a.astype(acc) + self.dt_bias[...].astype(acc))
         if ctx.token_mask is not None:
             # β = g = 0 makes a padded step an exact no-op on the state, wherever the pad sits
             keep = ctx.token_mask[..., None]
@@ -221,7 +226,7 @@ class GatedDeltaNet(nnx.Module):
             init = None if rec is None else read_layer(rec, cg, rows)
             if t == 1:  # some of the cache's rows, or on a mesh (heads sharded: the reference)
                 if init is None:
-                    init = jnp.zeros((b, self.num_v_heads, self.head_k_dim, self.head_v_dim), jnp.float32)
+                    init = jnp.zeros((b, self.num_v_heads, self.head_k_dim, self.head_v_dim), acc)
                 o, s = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], init,
                                         impl=None if layer is not None else "reference")
                 o = o[:, None]
@@ -318,7 +323,10 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
     def __init__(self, cfg: TextConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, with_mtp: bool = False,
                  quant: ModelQuant | None = None):
         self.config = cfg
-        self.dtype = jnp.dtype(dtype)
+        # what it computes in (qjax.model.dtypes); x64 is switched on by the callers (load_model, init_model, --dtype):
+        # inside a trace (abstract_model) it would be too late
+        self.dtype = model_dtype(dtype, "Qwen3_5MoeForCausalLM(dtype=…)", switch_x64=False)
+        check_x64(self.dtype)
         self.quant = quant if quant is not None and not quant.is_empty else None
         self.kv_fp8 = self.quant is not None and self.quant.kv_cache is not None
         std = cfg.initializer_range
@@ -356,14 +364,13 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
 
     def logits_from_hidden(self, h: jnp.ndarray) -> jnp.ndarray:
-        """Logits in float32 whatever the model dtype: rounding them to bf16 creates argmax ties and costs accuracy
-        for nothing (the matmul accumulates in fp32 anyway)."""
+        """Logits in the accumulation dtype — float32 for bf16/f16/f32 models, float64 for float64: rounding them to
+        bf16 creates argmax ties and costs accuracy for nothing (the matmul accumulates in fp32 anyway)."""
         if self.lm_head is not None:
-            return self.lm_head.float32(h)
+            return self.lm_head.accumulated(h)
         w = self.embed_tokens[...]  # tied embeddings
-        precision = jax.lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
-        return jax.lax.dot_general(h, w.astype(h.dtype), (((h.ndim - 1,), (1,)), ((), ())), precision=precision,
-                                   preferred_element_type=jnp.float32)
+        return jax.lax.dot_general(h, w.astype(h.dtype), (((h.ndim - 1,), (1,)), ((), ())),
+                                   precision=dot_precision(h.dtype), preferred_element_type=accum_dtype(h.dtype))
 
     def _context(self, input_ids, attention_mask, position_ids, cache: Cache | None, rows=None,
                  kv_len: int | None = None):
@@ -533,7 +540,9 @@ def _jit_logits(graphdef, state, input_ids, attention_mask, position_ids):
 
 
 def init_model(cfg: TextConfig, *, dtype=jnp.float32, seed: int = 0, with_mtp: bool = False) -> Qwen3_5MoeForCausalLM:
-    """A randomly initialised model (HF's init scheme: normal(initializer_range) matrices, zero norm offsets)."""
+    """A randomly initialised model (HF's init scheme: normal(initializer_range) matrices, zero norm offsets).
+    ``dtype``: one of :data:`qjax.model.dtypes.MODEL_DTYPES` (float64 switches x64 on)."""
+    dtype = model_dtype(dtype, "init_model(dtype=…)")
     return Qwen3_5MoeForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed), with_mtp=with_mtp)
 
 

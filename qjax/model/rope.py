@@ -10,11 +10,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from qjax.kernels import accum_dtype
 from qjax.model.config import TextConfig
 
 
-def inv_freq(cfg: TextConfig) -> np.ndarray:
-    """``[rotary_dim/2]`` float32 inverse frequencies ``1 / θ^(2j/R)``, computed in float64 and rounded once.
+def inv_freq(cfg: TextConfig, dtype=np.float32) -> np.ndarray:
+    """``[rotary_dim/2]`` inverse frequencies ``1 / θ^(2j/R)``, computed in float64 and rounded once to ``dtype``
+    (float32, or float64 for a float64 model).
 
     transformers computes them with a float32 ``pow``, which is off by up to a few float32 ulps; an angle of
     position × inv_freq carries that error times the position (measured on the test configs: cos/sin 5.0e-6 from the
@@ -22,7 +24,7 @@ def inv_freq(cfg: TextConfig) -> np.ndarray:
     once)."""
     r = cfg.rotary_dim
     exps = np.arange(0, r, 2, dtype=np.float64) / r
-    return (1.0 / (float(cfg.rope_theta) ** exps)).astype(np.float32)
+    return (1.0 / (float(cfg.rope_theta) ** exps)).astype(dtype)
 
 
 def mrope_rows(cfg: TextConfig) -> np.ndarray:
@@ -43,13 +45,15 @@ def rope_cos_sin(cfg: TextConfig, positions: jnp.ndarray, dtype) -> tuple[jnp.nd
 
     Args:
       positions: ``[B, T]`` text positions or ``[3, B, T]`` (T, H, W) M-RoPE positions, integer.
-      dtype: activation dtype; transformers casts cos/sin to it before rotating.
+      dtype: activation dtype; transformers casts cos/sin to it before rotating. The angles are formed in its
+        accumulation dtype (float32; float64 for a float64 model).
     Returns:
       cos, sin: ``[B, T, rotary_dim]``.
     """
     if positions.ndim == 2:
         positions = jnp.broadcast_to(positions[None], (3, *positions.shape))
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(cfg))  # [3, B, T, R/2]
+    acc = accum_dtype(dtype)
+    freqs = positions.astype(acc)[..., None] * jnp.asarray(inv_freq(cfg, acc))  # [3, B, T, R/2]
     rows = jnp.asarray(mrope_rows(cfg))
     sel = jnp.where(rows == 1, freqs[1], jnp.where(rows == 2, freqs[2], freqs[0]))  # [B, T, R/2]
     emb = jnp.concatenate([sel, sel], axis=-1)

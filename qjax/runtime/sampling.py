@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from qjax.kernels import accum_dtype
+
 
 @struct.dataclass
 class SamplingArrays:
@@ -41,10 +43,12 @@ class SamplingArrays:
 def filter_logits(logits: jnp.ndarray, params: SamplingArrays) -> jnp.ndarray:
     """Temperature → top-k → top-p per row (transformers' processor order); removed entries become -inf.
 
-    ``logits [B, V]`` → float32 ``[B, V]``. A setting that is off leaves the row bit for bit unchanged (dividing by
-    a temperature of 1 is exact; top-k with k = 0 or k ≥ V and top-p with p = 1 select nothing).
+    ``logits [B, V]`` → ``[B, V]`` in the logits' accumulation dtype (float32; a float64 model's logits stay
+    float64). A setting that is off leaves the row bit for bit unchanged (dividing by a temperature of 1 is exact;
+    top-k with k = 0 or k ≥ V and top-p with p = 1 select nothing).
     """
-    x = logits.astype(jnp.float32) / params.temperature[:, None]
+    acc = accum_dtype(logits.dtype)
+    x = logits.astype(acc) / params.temperature[:, None].astype(acc)
     v = x.shape[-1]
     k = params.top_k
     kth = jnp.take_along_axis(jnp.sort(x, axis=-1), jnp.clip(v - k, 0, v - 1)[:, None], axis=-1)
@@ -84,10 +88,10 @@ def token_logprobs(logits: jnp.ndarray, tokens: jnp.ndarray, k: int) -> tuple[jn
 
     ``logits [..., V]``, ``tokens [...]`` → (``[...]`` log p(token), top-``k`` ids ``[..., k]`` int32, their log
     p ``[..., k]``); ``k = 0`` gives empty top arrays."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(logits.astype(accum_dtype(logits.dtype)), axis=-1)
     lp = jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
     if k == 0:
-        empty = jnp.zeros((*lp.shape, 0))
+        empty = jnp.zeros((*lp.shape, 0), logp.dtype)
         return lp, empty.astype(jnp.int32), empty
     top_lp, top_ids = jax.lax.top_k(logp, k)
     return lp, top_ids.astype(jnp.int32), top_lp

@@ -215,7 +215,9 @@ class _Programs:
                 lp = token_logprobs(logits, new, top_k) if top_k is not None else _no_logprobs(new)
                 pool = pool.replace(cache=fwd.cache, tokens=jnp.where(active, new, tok),
                                     keys=jnp.where(active[:, None], jax.random.key_data(keep), keys))
-                out = jax.tree.map(lambda buf, v: buf.at[i].set(v), out, (new, *lp))
+                # log-probabilities are kept in float32 whatever the model computes in (a float64 model's are
+                # rounded here once: they leave as JSON numbers of float32 precision either way)
+                out = jax.tree.map(lambda buf, v: buf.at[i].set(v.astype(buf.dtype)), out, (new, *lp))
                 return pool, out
 
             b, k = active.shape[0], top_k or 0
@@ -262,7 +264,7 @@ class _Programs:
 
 
 def _no_logprobs(tokens):
-    empty = jnp.zeros((*tokens.shape, 0))
+    empty = jnp.zeros((*tokens.shape, 0), jnp.float32)  # float32 named: a bare zeros is float64 under x64
     return jnp.zeros(tokens.shape, jnp.float32), empty.astype(jnp.int32), empty
 
 

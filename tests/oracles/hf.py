@@ -4,10 +4,17 @@ Everything here is generated at test time (no downloaded weights, nothing from .
 `Qwen3_5MoeForCausalLM` with perturbed norms, its per-expert `save_pretrained` folder, a rewrite of that folder into
 the official Qwen3.6 on-disk layout (composite config, fused experts, `model.visual.*`, `mtp.*`, sharded), and
 helpers that run the transformers model on numpy inputs.
+
+The float64 truth (`float64_truth`): the same transformers model in float64 *everywhere*. transformers' code pins
+float32 in RoPE, the norms, the delta rule and both softmaxes, so a plain `.to(torch.float64)` is still 1e-6 to 1e-5 off
+the float64 result; `qjax.evaluation.torch_reference.float64_everywhere` (a TorchFunctionMode, strict: it fails if any
+op still returns a narrower float) promotes those requests, and the routed experts run transformers' eager loop.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import re
 import shutil
@@ -23,6 +30,8 @@ from transformers import (
     Qwen3_5MoeVisionConfig,
     Qwen3_5MoeVisionModel,
 )
+
+from qjax.evaluation.torch_reference import float64_everywhere
 
 # Stddev of the seeded noise put on norm offsets and dt_bias: large enough that a (1 + w) vs w mistake, or a missing
 # dt_bias, moves the logits by far more than the 1e-4 parity tolerance.
@@ -391,12 +400,27 @@ def _as_long(x: np.ndarray | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(np.asarray(x), dtype=torch.long)
 
 
-def hf_logits(model: torch.nn.Module, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
-    """Full-sequence logits `[B, T, V]` as float32 numpy (no cache, no grad)."""
+def hf_logits(model: torch.nn.Module, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
+              position_ids: np.ndarray | None = None) -> np.ndarray:
+    """Full-sequence logits `[B, T, V]` (no cache, no grad) as numpy in the model's dtype: float32, or float64 for a
+    `float64_truth` model (run under `float64_everywhere`, strict)."""
     mask = None if attention_mask is None else _as_long(attention_mask)
-    with torch.no_grad():
-        out = model(input_ids=_as_long(input_ids), attention_mask=mask, use_cache=False)
-    return out.logits.float().numpy()
+    pos = None if position_ids is None else _as_long(position_ids)
+    wide = next(model.parameters()).dtype == torch.float64
+    with torch.no_grad(), (float64_everywhere(strict=True) if wide else contextlib.nullcontext()):
+        out = model(input_ids=_as_long(input_ids), attention_mask=mask, position_ids=pos, use_cache=False)
+    return out.logits.double().numpy() if wide else out.logits.float().numpy()
+
+
+def float64_truth(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64-everywhere copy of `model` (module docstring): built under `float64_everywhere` so its RoPE inverse
+    frequencies are computed in float64, eager experts, the same weights exactly (float32 → float64)."""
+    config = copy.deepcopy(model.config)
+    config._experts_implementation = "eager"  # torch's grouped_mm has no float64
+    with torch.random.fork_rng(devices=[]), float64_everywhere():
+        truth = Qwen3_5MoeForCausalLM(config).to(torch.float64)
+    truth.load_state_dict({k: v.to(torch.float64) for k, v in model.state_dict().items()})
+    return truth.eval()
 
 
 def hf_generate_greedy(
