@@ -15,10 +15,10 @@ float64 inputs, which only the references take) and the shared SiLU.
 from .dispatch import IMPLS, resolve, use
 from .moe_reference import routed_experts
 from .ops import gated_delta_step, matmul, moe_experts, qmatmul
-from .precision import accum_dtype, dot_precision, silu
+from .precision import accum_dtype, dot_precision, sigmoid, silu
 from .qmatmul_reference import dequantize, dequantize_experts, unpack_int
 from .quant_meta import QuantMeta, dense_meta
 
 __all__ = ["IMPLS", "QuantMeta", "accum_dtype", "dense_meta", "dequantize", "dequantize_experts", "dot_precision",
-           "gated_delta_step", "matmul", "moe_experts", "qmatmul", "resolve", "routed_experts", "silu", "unpack_int",
+           "gated_delta_step", "matmul", "moe_experts", "qmatmul", "resolve", "routed_experts", "sigmoid", "silu", "unpack_int",
            "use"]

@@ -25,6 +25,12 @@ def dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) in _FULL_PRECISION else None
 
 
+def sigmoid(x: jnp.ndarray) -> jnp.ndarray:
+    """``σ(x)`` computed in the accumulation dtype and rounded once to x's dtype, as torch computes a bf16 sigmoid (on
+    bf16 arrays XLA may round the steps of ``jax.nn.sigmoid`` to bf16 one by one)."""
+    return jax.nn.sigmoid(x.astype(accum_dtype(x.dtype))).astype(x.dtype)
+
+
 def silu(x: jnp.ndarray) -> jnp.ndarray:
     """``x·σ(x)`` as ``x / (1 + e^−x)``, computed in the accumulation dtype and rounded once to x's dtype — torch's
     formula and rounding.

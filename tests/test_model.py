@@ -6,13 +6,14 @@ norms, the delta rule and the softmaxes promoted). qjax's float64 model must equ
 
 float32: two float32 implementations each carry their own rounding, so qjax's float32 is judged by its distance to
 the truth against transformers-float32's own distance on the same inputs:
-- RMS error ≤ 1.1× transformers' (measured on the six cases below, 2026-12-02: 0.29–1.02×; before the fixes of issue
-  21 — two-float cumulative decays in the chunked delta rule, torch's silu — 0.8–1.6×);
+- RMS error ≤ 1.1× transformers' (measured over twelve cases of these configs and input kinds, 2026-12-02,
+  benchmarks/precision.py: 0.30–1.09×; before the fixes of issue 21 — two-float cumulative decays in the chunked
+  delta rule, torch's silu — 0.8–1.6×);
 - max error ≤ 1.6× transformers'. The max is one element's error: both implementations are equally accurate op by op
   (teacher-forced per sublayer, measured: qjax's RMS 0.58–1.01× transformers', the MLPs identical — their error is
   the float32 rounding of their input), and what reaches the logits is that rounding amplified through 4–8 random
-  layers, so which side has the larger single element is chance: 0.13–1.52× across twelve cases of these configs
-  (scripts in benchmarks/RESULTS.md, "float32 accuracy"). A real mistake ((1+w) vs w, chunked M-RoPE, head layout)
+  layers, so which side has the larger single element is chance: 0.09–1.52× across the twelve cases
+  (benchmarks/RESULTS.md, "float32 accuracy"). A real mistake ((1+w) vs w, chunked M-RoPE, head layout)
   moves logits by 0.1–4, far beyond either bound.
 """
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.kernels import QuantMeta, accum_dtype, moe_experts
+from qjax.kernels import QuantMeta, accum_dtype, moe_experts, sigmoid
 from qjax.model.layers import MLP, Linear, init_normal
 from qjax.model.linears import linear
 from qjax.model.quant_layers import PackedWeight, expert_operand
@@ -86,5 +86,5 @@ class SparseMoeBlock(nnx.Module):
             else:
                 routed = self.experts(xf, idx, weights) if layer is None else self.experts(xf, idx, weights, layer)
         with jax.named_scope("shared_expert"):
-            shared = jax.nn.sigmoid(self.shared_expert_gate(xf, layer)) * self.shared_expert(xf, layer)
+            shared = sigmoid(self.shared_expert_gate(xf, layer)) * self.shared_expert(xf, layer)
         return (routed.astype(x.dtype) + shared).reshape(b, t, h)

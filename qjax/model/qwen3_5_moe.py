@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from qjax.kernels import accum_dtype, dot_precision, gated_delta_step, silu
+from qjax.kernels import accum_dtype, dot_precision, gated_delta_step, sigmoid, silu
 from qjax.model import gdn
 from qjax.model.cache import Cache, GDNState, KVState, gather_rows, read_layer, scatter_rows, write_layer, write_tokens
 from qjax.model.config import FULL, LINEAR, TextConfig
@@ -110,7 +110,7 @@ class GatedAttention(nnx.Module):
                 k, v = fake_quant_fp8(k, ks), fake_quant_fp8(v, vs)
             keys, values = k.swapaxes(1, 2), v.swapaxes(1, 2)
         o = attention(q, keys, values, ctx)
-        o = o.reshape(b, t, nh * d) * jax.nn.sigmoid(gate)
+        o = o.reshape(b, t, nh * d) * sigmoid(gate)
         return self.o_proj(o, layer), kv
 
 
@@ -197,7 +197,7 @@ class GatedDeltaNet(nnx.Module):
             x = x * ctx.token_mask[..., None].astype(x.dtype)
         mixed = self.in_proj_qkv(x, layer)
         z = self.in_proj_z(x, layer).reshape(b, t, self.num_v_heads, self.head_v_dim)
-        beta = jax.nn.sigmoid(self.in_proj_b(x, layer))
+        beta = sigmoid(self.in_proj_b(x, layer))
         a = self.in_proj_a(x, layer)
         if state is not None:
             cg, rows = ctx.cache_layer, ctx.rows
