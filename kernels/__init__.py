@@ -20,5 +20,5 @@ from .qmatmul_reference import dequantize, dequantize_experts, unpack_int
 from .quant_meta import QuantMeta, dense_meta
 
 __all__ = ["IMPLS", "QuantMeta", "accum_dtype", "dense_meta", "dequantize", "dequantize_experts", "dot_precision",
-           "gated_delta_step", "matmul", "moe_experts", "qmatmul", "resolve", "routed_experts", "sigmoid", "silu", "unpack_int",
-           "use"]
+           "gated_delta_step", "matmul", "moe_experts", "qmatmul", "resolve", "routed_experts", "sigmoid", "silu",
+           "unpack_int", "use"]
