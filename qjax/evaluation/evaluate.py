@@ -146,7 +146,7 @@ def _window_nll(graphdef, state, tokens):
     """``tokens [B, seqlen + 1]`` → summed NLL of tokens 1.. of each row ``[B]``."""
     model = nnx.merge(graphdef, state)
     logits = model.forward(tokens[:, :-1]).logits
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(logits, axis=-1)  # logits come in the accumulation dtype (float32, or float64)
     return -jnp.sum(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0], axis=1)
 
 
@@ -329,7 +329,7 @@ def _answer_scores(graphdef, state, ids, mask, k: int):
     # last_only skips the full-sequence logits (V-wide for every prompt position); only the answer span is projected
     hidden = model.forward(ids, attention_mask=mask, last_only=True).hidden
     logits = model.logits_from_hidden(hidden[:, -k - 1:-1])
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(logits, axis=-1)  # logits come in the accumulation dtype (float32, or float64)
     target = ids[:, -k:]
     nll = -jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
     return nll, jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -21,12 +21,12 @@ merged entry-point plugins for models after 0.4.13; once a release ships them, a
 naming ``qjax.evaluation.lm_eval_adapter:QJaxLM`` makes the bare ``lm_eval`` command work too.)
 
 ``model_args``: ``pretrained`` (checkpoint folder with tokenizer.json; default the built-in model), ``dtype``
-(``float32``/``bfloat16``/``float16``; default the checkpoint's), ``batch_size`` (wins over ``--batch_size``, whose
-default of 1 lm-eval always passes), ``max_length`` (default min(max_position_embeddings, 4096)), ``max_gen_toks``
-(default 256), ``seed`` (sampling), ``prefix_token_id`` (the token scored text is conditioned on when it has no
-context; default the tokenizer's end-of-text token, as HFLM does without a BOS), ``enable_thinking`` (passed to the
-chat template under ``--apply_chat_template``). Text goes through :class:`qjax.tokenizer.Tokenizer` (the folder's
-tokenizer.json, its special tokens and chat template).
+(``float32``/``bfloat16``/``float16``/``float64``; default the checkpoint's), ``batch_size`` (wins over
+``--batch_size``, whose default of 1 lm-eval always passes), ``max_length`` (default min(max_position_embeddings,
+4096)), ``max_gen_toks`` (default 256), ``seed`` (sampling), ``prefix_token_id`` (the token scored text is conditioned
+on when it has no context; default the tokenizer's end-of-text token, as HFLM does without a BOS), ``enable_thinking``
+(passed to the chat template under ``--apply_chat_template``). Text goes through :class:`qjax.tokenizer.Tokenizer` (the
+folder's tokenizer.json, its special tokens and chat template).
 
 Scoring follows HFLM: context and continuation are encoded together and split at the context's length (trailing
 context spaces move to the continuation), the window is left-truncated to ``max_length + 1`` tokens, and a batch of
@@ -58,6 +58,7 @@ from tqdm import tqdm
 
 import qjax
 from qjax.checkpoint.hub import default_model_dir
+from qjax.model.dtypes import MODEL_DTYPES
 from qjax.tokenizer import Tokenizer
 
 logger = logging.getLogger("qjax")
@@ -66,7 +67,6 @@ DEFAULT_MAX_LENGTH = 4096
 DEFAULT_MAX_GEN_TOKS = 256
 DEFAULT_BATCH_SIZE = 8  # when lm-eval asks for "auto" and gives no --max_batch_size
 SCORE_CHUNK = 64  # positions whose [B, chunk, vocab] logits exist at once while scoring
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # generation keys lm-eval may hand over that mean "plain decoding" and need no support
 NEUTRAL_GEN_KWARGS = {"num_beams": 1, "num_return_sequences": 1}
 
@@ -93,7 +93,7 @@ def _score(graphdef, state, ids, targets):
 
     def one(args):
         hc, tc = args
-        logits = model.logits_from_hidden(hc)  # float32
+        logits = model.logits_from_hidden(hc)  # the accumulation dtype: float32 (float64 for a float64 model)
         logp = jax.nn.log_softmax(logits, axis=-1)
         lp = jnp.take_along_axis(logp, tc[..., None], axis=-1)[..., 0]
         return lp, jnp.argmax(logits, axis=-1) == tc
@@ -122,10 +122,10 @@ class QJaxLM(TemplateLM):
             raise FileNotFoundError(f"pretrained={self.pretrained}: no config.json (a qjax/HF checkpoint folder)")
         if dtype in (None, "", "auto"):
             jdtype = None
-        elif str(dtype) in DTYPES:
-            jdtype = DTYPES[str(dtype)]
+        elif str(dtype) in MODEL_DTYPES:
+            jdtype = str(dtype)  # load_model checks it (float64 switches x64 on)
         else:
-            raise ValueError(f"qjax model_args dtype={dtype!r}: expected one of {sorted(DTYPES)} or auto")
+            raise ValueError(f"qjax model_args dtype={dtype!r}: expected one of {list(MODEL_DTYPES)} or auto")
         self._tok = Tokenizer.from_folder(self.pretrained)  # first: TokenizerError names a missing tokenizer.json
         self.model = qjax.load_model(self.pretrained, dtype=jdtype)
         self._graphdef, self._state = nnx.split(self.model)

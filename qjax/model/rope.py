@@ -61,16 +61,15 @@ def rope_cos_sin(cfg: TextConfig, positions: jnp.ndarray, dtype) -> tuple[jnp.nd
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Rotate the first ``R = cos.shape[-1]`` channels of every head, in the accumulation dtype with one rounding
-    back to x's dtype (transformers' ``apply_rotary_pos_emb`` upcasts q, k, cos and sin to float32).
+    """Rotate the first ``R = cos.shape[-1]`` channels of every head, in x's dtype as transformers' text
+    ``apply_rotary_pos_emb`` does (a bf16 model rotates in bf16: only the vision tower's rotation upcasts).
 
     Args:
       x: ``[B, T, heads, head_dim]``.
       cos, sin: ``[B, T, R]`` in x's dtype.
     """
     r = cos.shape[-1]
-    acc = accum_dtype(x.dtype)
-    xr, xp = x[..., :r].astype(acc), x[..., r:]
-    c, s = cos[:, :, None, :].astype(acc), sin[:, :, None, :].astype(acc)
+    xr, xp = x[..., :r], x[..., r:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
     rot = jnp.concatenate([-xr[..., r // 2:], xr[..., : r // 2]], axis=-1)
-    return jnp.concatenate([(xr * c + rot * s).astype(x.dtype), xp], axis=-1)
+    return jnp.concatenate([xr * c + rot * s, xp], axis=-1).astype(x.dtype)

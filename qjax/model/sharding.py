@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qjax.kernels import qmatmul
+from qjax.kernels import accum_dtype, qmatmul
 from qjax.model.cache import Cache, GDNState, KVState
 from qjax.model.config import TextConfig
 from qjax.model.linears import tensor_parallel_kind
@@ -354,8 +354,9 @@ def tensor_parallel_qmatmul(x: jnp.ndarray, arrays: tuple, meta, split: str, pla
 
     "col": W's rows are split; x is whole on every device and the output columns stay split.
     "row": W's input columns are split (whole groups, whole words); x arrives split the same way and the partial
-    products are summed over the devices in float32, then rounded to x's dtype. Each partial leaves the kernel in
-    x's dtype: exact for float32, one extra bf16 rounding for bf16 models (as vLLM's row-parallel layers).
+    products are summed over the devices in float32 (float64 for a float64 model), then rounded to x's dtype. Each
+    partial leaves the kernel in x's dtype: exact for float32, one extra bf16 rounding for bf16 models (as vLLM's
+    row-parallel layers).
 
     Args:
       x: ``[B, ..., K]`` (rows over ``data``); arrays: ``(packed, scale, zero)`` as the layer holds them.
@@ -382,7 +383,7 @@ def tensor_parallel_qmatmul(x: jnp.ndarray, arrays: tuple, meta, split: str, pla
 
         def f(x, p, s, z):
             y = qmatmul(x, p, s, z, local)
-            return jax.lax.psum(y.astype(jnp.float32), tp).astype(x.dtype)
+            return jax.lax.psum(y.astype(accum_dtype(x.dtype)), tp).astype(x.dtype)
 
     if zero is None:
         fn = jax.shard_map(lambda x, p, s: f(x, p, s, None), mesh=plan.mesh, in_specs=(x_spec, w_spec, s_spec),
@@ -420,7 +421,7 @@ def expert_parallel(experts, x: jnp.ndarray, idx: jnp.ndarray, weights: jnp.ndar
         :func:`param_spec`.
       x: ``[N, H]``; idx, weights: ``[N, k]``.
     Returns:
-      ``[N, H]`` float32.
+      ``[N, H]`` in the accumulation dtype (float32; float64 for float64 x).
     """
 
     axes = plan.expert_axes
