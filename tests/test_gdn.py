@@ -97,6 +97,7 @@ def test_zero_beta_and_decay_steps_leave_state_unchanged():
 
 
 @pytest.mark.parametrize("t", [63, 65, 130])
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_chunked_equals_recurrent_in_float64(t, x64):
     jax.config.update("jax_enable_x64", True)
     q, k, v, g, beta, s0 = _inputs(2, t, 3, 6, 12, 20, seed=t)
@@ -108,6 +109,7 @@ def test_chunked_equals_recurrent_in_float64(t, x64):
     assert np.abs(np.asarray(s_r) - np.asarray(s_c)).max() <= 1e-12
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_chunked_float32_as_accurate_as_the_recurrence(x64):
     """The in-chunk decays exp(γ_i − γ_j) from a two-float cumulative sum: with one float32 cumsum, strongly decaying
     heads (|γ| in the tens) made the chunked output 10× further from the float64 truth than the recurrence (measured

@@ -37,6 +37,7 @@ def test_prefill_then_decode_equals_full_forward(tiny, prefill):
     assert np.abs(np.concatenate(steps, axis=1) - full).max() <= TOL
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_float64_prefill_then_decode_equals_full_forward(tiny_hf, x64):
     """In float64 the cached path is the full forward to 1e-12 (the chunked vs token-by-token delta rule and the
     cache's K/V and float64 recurrent state are the only differences)."""

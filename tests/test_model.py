@@ -70,7 +70,7 @@ def _real(mask, shape):
 
 
 @pytest.mark.parametrize("kind", CASES)
-@pytest.mark.parametrize("which", ["tiny_hf", "odd_hf"])
+@pytest.mark.parametrize("which", ["tiny_hf", pytest.param("odd_hf", marks=pytest.mark.slow)])  # odd: > 7 s
 def test_float64_equals_transformers_float64(which, kind, request, x64):
     hf, path = request.getfixturevalue(which)
     truth = request.getfixturevalue(which.replace("_hf", "_truth"))
@@ -85,7 +85,7 @@ def test_float64_equals_transformers_float64(which, kind, request, x64):
 
 
 @pytest.mark.parametrize("kind", CASES)
-@pytest.mark.parametrize("which", ["tiny_hf", "odd_hf"])
+@pytest.mark.parametrize("which", ["tiny_hf", pytest.param("odd_hf", marks=pytest.mark.slow)])  # odd: > 7 s
 def test_float32_as_accurate_as_transformers_float32(which, kind, request):
     hf, path = request.getfixturevalue(which)
     truth = request.getfixturevalue(which.replace("_hf", "_truth"))
@@ -100,6 +100,7 @@ def test_float32_as_accurate_as_transformers_float32(which, kind, request):
     assert ours.max() <= MAX_RATIO * theirs.max(), (ours.max(), theirs.max())
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_float32_unchanged_by_x64(tiny_hf, x64):
     """A process that switched x64 on (a float64 model loaded) computes float32 models exactly as before."""
     model = qjax.load_model(tiny_hf[1])
@@ -111,6 +112,7 @@ def test_float32_unchanged_by_x64(tiny_hf, x64):
     np.testing.assert_array_equal(np.asarray(after), before)
 
 
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_dtypes_the_model_cannot_honour_raise(tiny_hf, x64):
     cfg = TextConfig.from_file(tiny_hf[1])
     for bad in ("int8", "float8_e4m3fn", "complex64", "fp32"):
