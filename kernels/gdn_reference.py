@@ -47,14 +47,17 @@ def zero_state(q, v):
     return jnp.zeros((b, h, dk, v.shape[-1]), q.dtype)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, all_states: bool = False):
     """Exact recurrence ``S ← e^g S;  S ← S + k ⊗ β(v − Sᵀk);  o = Sᵀq``.
 
     Args:
       q, k: ``[B, T, Hk, Dk]``; v: ``[B, T, Hv, Dv]``; g (log decay, ≤ 0), beta: ``[B, T, Hv]``.
       initial_state: ``[B, Hv, Dk, Dv]`` in the accumulation dtype, or None (zeros).
+      all_states: also return the state after every token (speculative decoding keeps them to roll back to the
+        last accepted one).
     Returns:
-      o ``[B, T, Hv, Dv]`` in q's dtype, final state ``[B, Hv, Dk, Dv]`` in the accumulation dtype.
+      o ``[B, T, Hv, Dv]`` in q's dtype, final state ``[B, Hv, Dk, Dv]`` in the accumulation dtype; with
+      ``all_states`` a third result, the states after each token ``[B, T, Hv, Dk, Dv]``.
     """
     out_dtype = q.dtype
     q, k, v, g, beta = prepare(q, k, v, g, beta)
@@ -67,12 +70,13 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
         delta = (v_t - kv_mem) * b_t[..., None]
         s = s + k_t[..., :, None] * delta[..., None, :]
         o_t = jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST)
-        return s, o_t
+        return s, ((o_t, s) if all_states else o_t)
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (q, k, v, g, beta))
-    s, o = jax.lax.scan(step, s0, xs)
-    o = jnp.moveaxis(o, 0, 2)  # [B, H, T, Dv]
-    return jnp.moveaxis(o, 1, 2).astype(out_dtype), s
+    s, ys = jax.lax.scan(step, s0, xs)
+    o = jnp.moveaxis(ys[0] if all_states else ys, 0, 2)  # [B, H, T, Dv]
+    o = jnp.moveaxis(o, 1, 2).astype(out_dtype)
+    return (o, s, jnp.moveaxis(ys[1], 0, 1)) if all_states else (o, s)
 
 
 def gated_delta_step_reference(q, k, v, g, beta, state, layer=None):

@@ -91,7 +91,7 @@ def test_gradient_through_a_layer_matches_torch(models, layer_index):
     graphdef, state = nnx.split(layer)
     loss_fn = block_loss(graphdef, {u.name: scheme for u in units}, tuple((u, scheme) for u in units),
                          filter_top=False, scale_dtype="float16")
-    ctx, _ = model._context(jnp.zeros((B, T), jnp.int32), None, None, None)
+    ctx, _ = model.step_context(jnp.zeros((B, T), jnp.int32), None, None, None)
     loss, grads = jax.value_and_grad(loss_fn)(params, state, weights, consts, fixed, jnp.asarray(x), jnp.asarray(ref),
                                               ctx, jnp.asarray(mask))
 

@@ -78,3 +78,49 @@ def test_reset_rows_empties_only_those_rows(model):
     for sl in out.slots:
         if hasattr(sl, "conv"):
             assert not np.asarray(sl.recurrent[:, 1]).any() and np.asarray(sl.recurrent[:, 0]).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_accept_rolls_each_row_back_to_its_last_kept_token(dtype, x64):
+    """A speculative verify call of n tokens (forward(keep_steps=True)) then Cache.accept(consumed): each row's GDN
+    recurrent state and conv window, length and position equal those of plain decoding of its kept tokens alone,
+    and a next token continues it with the same logits. float64: to 1e-12 of the largest entry (the logic is exact);
+    float32: the verify call's projections run n rows at once where decoding runs one, a different matmul blocking
+    (measured ≤ 1e-6 of the largest entry of the state, and of the conv window), so 1e-5."""
+    model = qjax.load_model(default_model_dir(), dtype=dtype)
+    tol = 1e-12 if dtype == "float64" else 1e-5
+    g, s = nnx.split(model)
+    rng = np.random.default_rng(4)
+    b, t, n = 3, 9, 4
+    prompt = rng.integers(0, model.config.vocab_size, (b, t)).astype(np.int32)
+    more = rng.integers(0, model.config.vocab_size, (b, n)).astype(np.int32)
+    consumed = np.array([1, 3, 4], np.int32)  # a row keeping 1 (only its last token), a partial and a whole call
+
+    @functools.partial(jax.jit, static_argnums=(0, 4))
+    def fwd(graphdef, state, cache, ids, keep_steps):
+        out = nnx.merge(graphdef, state).forward(ids, cache=cache, keep_steps=keep_steps)
+        return out.logits, out.cache
+
+    spec = model.init_cache(b, t + n + 1, spec_tokens=n)
+    _, spec = fwd(g, s, spec, jnp.asarray(prompt), False)
+    _, spec = fwd(g, s, spec, jnp.asarray(more), True)
+    spec = spec.accept(jnp.asarray(consumed))
+    for r in range(b):
+        plain = model.init_cache(1, t + n + 1)
+        _, plain = fwd(g, s, plain, jnp.asarray(prompt[r:r + 1]), False)
+        for i in range(consumed[r]):  # token by token, as plain decoding feeds them
+            _, plain = fwd(g, s, plain, jnp.asarray(more[r:r + 1, i:i + 1]), False)
+        assert int(spec.lengths[r]) == int(plain.lengths[0]) == t + consumed[r]
+        assert int(spec.positions[r]) == int(plain.positions[0])
+        assert not bool(jnp.any(spec.key_valid[r, t + consumed[r]:]))
+        for mine, theirs in zip(spec.slots, plain.slots):
+            if hasattr(mine, "recurrent"):
+                want_state = np.asarray(theirs.recurrent[:, 0])
+                assert np.abs(np.asarray(mine.recurrent[:, r]) - want_state).max() <= tol * np.abs(want_state).max()
+                want_conv = np.asarray(theirs.conv[:, 0])
+                assert np.abs(np.asarray(mine.conv[:, r]) - want_conv).max() <= tol * np.abs(want_conv).max()
+        nxt = jnp.asarray(rng.integers(0, model.config.vocab_size, (1, 1)).astype(np.int32))
+        want, _ = fwd(g, s, plain, nxt, False)
+        got, _ = fwd(g, s, spec.prefix(b), jnp.broadcast_to(nxt, (b, 1)), False)
+        np.testing.assert_allclose(np.asarray(got[r]), np.asarray(want[0]), atol=TOL if dtype == "float32" else 1e-10,
+                                   rtol=0)

@@ -49,3 +49,21 @@ def test_inspect_cli(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "int2 g64" in r.stdout and "int4 g128" in r.stdout and "KV cache" in r.stdout
+
+
+def test_inspect_says_what_the_model_computes_in(tiny_hf, capsys, x64):
+    """`qjax inspect` prints the dtype a load computes in (the checkpoint's, or --dtype's) and its accumulation dtype;
+    float64 doubles the GDN state; a dtype the model cannot compute in is refused by name."""
+    import pytest
+
+    from qjax.cli import main
+
+    assert main(["inspect", tiny_hf[1]]) == 0
+    out = capsys.readouterr().out
+    assert "computes in: float32 (the checkpoint's; " in out and "accumulate in float32" in out
+    assert main(["inspect", tiny_hf[1], "--dtype", "float64"]) == 0
+    out64 = capsys.readouterr().out
+    assert "computes in: float64 (--dtype; " in out64 and "float64 recurrent state" in out64
+    with pytest.raises(SystemExit):
+        main(["inspect", tiny_hf[1], "--dtype", "int8"])
+    assert "the model cannot compute in 'int8'" in capsys.readouterr().err

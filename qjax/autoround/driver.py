@@ -177,7 +177,7 @@ class AutoRound:
     # -- streams ------------------------------------------------------------------------------------------------------
     def _ctx(self, b: int):
         t = self.ids.shape[1]
-        ctx, _ = self.model._context(jnp.zeros((b, t), jnp.int32), None, None, None)
+        ctx, _ = self.model.step_context(jnp.zeros((b, t), jnp.int32), None, None, None)
         return ctx
 
     def _forward(self, layer, h: jnp.ndarray) -> jnp.ndarray:

@@ -93,7 +93,7 @@ def _layer_with_aux(layer, h, ctx):
 def forward_train(model: Qwen3_5MoeForCausalLM, input_ids: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Traceable forward without cache or padding: ``input_ids [B, T]`` → (logits ``[B, T, V]`` fp32, mean
     load-balancing loss over the layers)."""
-    ctx, _ = model._context(input_ids, None, None, None)
+    ctx, _ = model.step_context(input_ids, None, None, None)
     h = model.embed(input_ids)
     graphdef, state = nnx.split(model.groups)
 

@@ -25,6 +25,12 @@ from qjax.model.config import FULL, TextConfig
 class GDNState:
     conv: jnp.ndarray  # [G, B, K-1, conv_dim] last pre-conv inputs (only K-1 influence the next output), model dtype
     recurrent: jnp.ndarray  # [G, B, Hv, Dk, Dv] float32 (float64 model: float64) — bf16 corrupts long decodes
+    # speculative decoding (a cache made with spec_tokens = n): a verify call of n tokens (forward(keep_steps=True))
+    # leaves here the state after each of its tokens and its widened conv input, so that :meth:`Cache.accept` can
+    # roll every row back to its last accepted token without running the layer again (vLLM keeps per-position
+    # state slots the same way)
+    steps: jnp.ndarray | None = None  # [G, B, n, Hv, Dk, Dv]: the recurrent state after verify token i
+    conv_steps: jnp.ndarray | None = None  # [G, B, K-1+n, conv_dim]: the window before the call, then its n inputs
 
 
 @struct.dataclass
@@ -50,8 +56,9 @@ class Cache:
 
     @classmethod
     def init(cls, cfg: TextConfig, layer_kinds: tuple[str, ...], batch: int, max_len: int, dtype,
-             kv_dtype=None) -> "Cache":
-        """Empty cache for a model whose repeating layer group is ``layer_kinds`` (use ``model.init_cache``)."""
+             kv_dtype=None, spec_tokens: int = 0) -> "Cache":
+        """Empty cache for a model whose repeating layer group is ``layer_kinds`` (use ``model.init_cache``);
+        ``spec_tokens`` > 0: with the per-token GDN buffers of verify calls of that many tokens (``GDNState.steps``)."""
         g = cfg.num_hidden_layers // len(layer_kinds)
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         slots = []
@@ -63,7 +70,12 @@ class Cache:
                 conv = jnp.zeros((g, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype)
                 rec = jnp.zeros((g, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                  cfg.linear_value_head_dim), accum_dtype(dtype))
-                slots.append(GDNState(conv=conv, recurrent=rec))
+                steps = conv_steps = None
+                if spec_tokens:
+                    steps = jnp.zeros((g, batch, spec_tokens, *rec.shape[2:]), rec.dtype)
+                    conv_steps = jnp.zeros((g, batch, cfg.linear_conv_kernel_dim - 1 + spec_tokens, cfg.conv_dim),
+                                           dtype)
+                slots.append(GDNState(conv=conv, recurrent=rec, steps=steps, conv_steps=conv_steps))
         return cls(slots=tuple(slots), key_valid=jnp.zeros((batch, max_len), bool),
                    positions=jnp.zeros((batch,), jnp.int32), lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -82,11 +94,37 @@ class Cache:
                      key_valid=put(self.key_valid, part.key_valid, 0), positions=put(self.positions, part.positions, 0),
                      lengths=put(self.lengths, part.lengths, 0))
 
+    def accept(self, consumed: jnp.ndarray) -> "Cache":
+        """After a verify call of n tokens (``forward(keep_steps=True)``): keep only the first ``consumed[b]`` (1..n)
+        of them in row b — its GDN conv window and recurrent state become those after its last kept token (read
+        from ``GDNState.steps``), its length and position step back, and the K/V slots of the dropped tokens stop
+        being valid keys (the next call overwrites them anyway).
+
+        ``consumed``: ``[B]`` int32. Every row must have taken the whole verify call (no padding in it)."""
+        slots = []
+        for s in self.slots:
+            if isinstance(s, KVState):
+                slots.append(s)
+                continue
+            if s.steps is None:
+                raise ValueError("Cache.accept needs a cache made with spec_tokens (GDNState.steps)")
+            b = jnp.arange(s.steps.shape[1])
+            recurrent = s.steps[:, b, consumed - 1]  # [G, B, Hv, Dk, Dv]
+            k1 = s.conv.shape[2]
+            at = consumed[:, None] + jnp.arange(k1)[None, :]  # [B, K-1]: the window ends after the last kept input
+            conv = jnp.take_along_axis(s.conv_steps, at[None, :, :, None], axis=2)
+            slots.append(s.replace(conv=conv, recurrent=recurrent))
+        n = next(s.steps.shape[2] for s in self.slots if isinstance(s, GDNState))
+        lengths = self.lengths - n + consumed
+        key_valid = self.key_valid & (jnp.arange(self.max_len)[None, :] < lengths[:, None])
+        return Cache(slots=tuple(slots), key_valid=key_valid, positions=self.positions - n + consumed,
+                     lengths=lengths)
+
     def reset_rows(self, rows: jnp.ndarray) -> "Cache":
         """The cache with rows ``rows [n]`` emptied (no valid key, length and position 0, zero GDN states): a new
         sequence starts there. Out-of-range entries are ignored. K/V slots are not cleared: ``key_valid`` hides them."""
-        slots = tuple(s if isinstance(s, KVState) else GDNState(conv=s.conv.at[:, rows].set(0, mode="drop"),
-                                                                 recurrent=s.recurrent.at[:, rows].set(0, mode="drop"))
+        slots = tuple(s if isinstance(s, KVState) else s.replace(conv=s.conv.at[:, rows].set(0, mode="drop"),
+                                                                  recurrent=s.recurrent.at[:, rows].set(0, mode="drop"))
                       for s in self.slots)
         return Cache(slots=slots, key_valid=self.key_valid.at[rows].set(False, mode="drop"),
                      positions=self.positions.at[rows].set(0, mode="drop"),

@@ -28,7 +28,7 @@ from qjax.model.moe import Experts, SparseMoeBlock
 from qjax.model.quant_layers import Packed, fake_quant_fp8, quantize_fp8
 from qjax.model.quant_spec import ModelQuant
 from qjax.model.rope import apply_rope, rope_cos_sin
-from qjax.model.sharding import cache_shardings, check_batch
+from qjax.model.sharding import MeshError, cache_shardings, check_batch
 
 
 @struct.dataclass
@@ -51,6 +51,8 @@ class StepContext:
     # [] int32 layer group being run, the index into the cache's [G, …] stacks (set inside the layer scan)
     cache_layer: jnp.ndarray | None = None
     kv_len: int = struct.field(pytree_node=False, default=0)  # cache slots attention reads: [0, kv_len)
+    # a speculative verify call: GDN layers run token by token and keep every token's state (GDNState.steps)
+    keep_steps: bool = struct.field(pytree_node=False, default=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -204,6 +206,7 @@ class GatedDeltaNet(nnx.Module):
             window = read_layer(state.conv, cg, rows)
         else:
             window = jnp.zeros((b, self.conv_kernel - 1, mixed.shape[-1]), mixed.dtype)
+        pre_conv = mixed
         mixed, new_window = self.conv1d(mixed, window, None if state is None else ctx.span)
         mixed = silu(mixed)
         q = mixed[..., :self.key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
@@ -217,7 +220,18 @@ class GatedDeltaNet(nnx.Module):
             beta = jnp.where(keep, beta, 0)
             g = jnp.where(keep, g, 0.0)
         rec = None if state is None else state.recurrent  # the whole [G, B, Hv, Dk, Dv] stack
-        if t == 1 and rec is not None and rows is None and layer is not None:
+        steps = None if state is None else state.steps
+        if ctx.keep_steps:
+            # a speculative verify call: the exact recurrence, keeping the state after each token and the widened
+            # conv input, so Cache.accept can roll each row back to its last accepted token
+            if steps is None or steps.shape[2] != t or rows is not None:
+                raise ValueError(f"a verify call of {t} tokens needs a cache made with spec_tokens={t} and all rows")
+            o, s, per_token = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, read_layer(rec, cg, rows),
+                                                            all_states=True)
+            rec = write_layer(rec, cg, rows, s)
+            steps = write_layer(steps, cg, rows, per_token)
+            conv_steps = write_layer(state.conv_steps, cg, rows, jnp.concatenate([window, pre_conv], axis=1))
+        elif t == 1 and rec is not None and rows is None and layer is not None:
             # decode over the whole cache with the weights read in their stacks: one kernel reads and writes this
             # layer's state in place inside the stack
             o, rec = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], rec, layer=cg)
@@ -236,8 +250,11 @@ class GatedDeltaNet(nnx.Module):
                 rec = write_layer(rec, cg, rows, s)
         o = self.norm(o.astype(x.dtype), z)
         out = self.out_proj(o.reshape(b, t, self.value_dim), layer)
-        new_state = None if state is None else GDNState(conv=write_layer(state.conv, cg, rows, new_window),
-                                                        recurrent=rec)
+        new_state = None
+        if state is not None:
+            new_state = state.replace(conv=write_layer(state.conv, cg, rows, new_window), recurrent=rec)
+            if ctx.keep_steps:
+                new_state = new_state.replace(steps=steps, conv_steps=conv_steps)
         return out, new_state
 
 
@@ -300,13 +317,17 @@ class MTP(nnx.Module):
                                 for _ in range(max(1, cfg.mtp_num_hidden_layers))])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, next_embeds: jnp.ndarray, hidden: jnp.ndarray, ctx: StepContext) -> jnp.ndarray:
-        """``next_embeds``, ``hidden``: ``[B, T, H]`` → the ``mtp.norm``-ed hidden ``[B, T, H]``."""
+    def __call__(self, next_embeds: jnp.ndarray, hidden: jnp.ndarray, ctx: StepContext,
+                 kv: KVState | None = None) -> tuple[jnp.ndarray, KVState | None]:
+        """``next_embeds``, ``hidden``: ``[B, T, H]`` → (the ``mtp.norm``-ed hidden ``[B, T, H]``, updated K/V).
+
+        ``kv``: the head's own K/V cache, ``[L_mtp, B, Hkv, S, D]`` (layer i of the head is entry i; ``ctx`` comes
+        from :meth:`Qwen3_5MoeForCausalLM.step_context` on a cache holding it), or None (no cache)."""
         y = jnp.concatenate([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
         y = self.fc(y)
-        for layer in self.layers:
-            y, _ = layer(y, ctx, None)
-        return self.norm(y)
+        for i, layer in enumerate(self.layers):
+            y, kv = layer(y, ctx.replace(cache_layer=jnp.int32(i), stack_layer=None), kv)
+        return self.norm(y), kv
 
 
 @struct.dataclass
@@ -347,14 +368,17 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         self.mesh_plan = None  # a qjax.model.sharding.MeshPlan when the variables live on a mesh
         #                        (qjax.model.sharding.set_plan)
 
-    def init_cache(self, batch: int, max_len: int) -> Cache:
+    def init_cache(self, batch: int, max_len: int, spec_tokens: int = 0) -> Cache:
         """An empty generation cache for ``batch`` rows of up to ``max_len`` positions (FP8 K/V when the checkpoint
         has static KV scales); on a mesh, created directly in its shards (rows over ``data``, heads over
-        ``tensor``)."""
+        ``tensor``). ``spec_tokens`` > 0: also the GDN buffers of speculative verify calls of that many tokens
+        (one device only)."""
         make = functools.partial(Cache.init, self.config, self.layer_kinds, batch, max_len, self.dtype,
-                                 kv_dtype=jnp.float8_e4m3fn if self.kv_fp8 else self.dtype)
+                                 kv_dtype=jnp.float8_e4m3fn if self.kv_fp8 else self.dtype, spec_tokens=spec_tokens)
         if self.mesh_plan is None:
             return make()
+        if spec_tokens:
+            raise MeshError("speculative decoding runs on one device; load the model without a mesh")
 
         check_batch(self.mesh_plan, batch)
         return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), self.mesh_plan))()
@@ -372,8 +396,8 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         return jax.lax.dot_general(h, w.astype(h.dtype), (((h.ndim - 1,), (1,)), ((), ())),
                                    precision=dot_precision(h.dtype), preferred_element_type=accum_dtype(h.dtype))
 
-    def _context(self, input_ids, attention_mask, position_ids, cache: Cache | None, rows=None,
-                 kv_len: int | None = None):
+    def step_context(self, input_ids, attention_mask, position_ids, cache: Cache | None, rows=None,
+                     kv_len: int | None = None):
         """The call's :class:`StepContext` and its token mask ``[B, T]``; with a cache, the batch's rows are the cache
         rows ``rows`` (:data:`qjax.model.cache.Rows`) and attention reads the first ``kv_len`` slots (None: all)."""
         b, t = input_ids.shape
@@ -446,7 +470,7 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
     # -- forward ------------------------------------------------------------------------------------------------------
     def forward(self, input_ids, *, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 last_only: bool = False, output_hidden_states: bool = False, cache_rows=None,
-                kv_len: int | None = None) -> ForwardOutput:
+                kv_len: int | None = None, keep_steps: bool = False) -> ForwardOutput:
         """Traceable forward.
 
         Args:
@@ -465,8 +489,11 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
             out-of-range entries are padding rows (read clamped, never written).
           kv_len: attention reads cache slots ``[0, kv_len)`` only (static; every row's tokens must lie below it).
             None: the whole cache.
+          keep_steps: a speculative verify call (static): the cache was made with ``spec_tokens = T``; GDN layers keep
+            the state after each token so that :meth:`qjax.model.cache.Cache.accept` can keep any prefix.
         """
-        ctx, m = self._context(input_ids, attention_mask, position_ids, cache, cache_rows, kv_len)
+        ctx, m = self.step_context(input_ids, attention_mask, position_ids, cache, cache_rows, kv_len)
+        ctx = ctx.replace(keep_steps=keep_steps)
         h = self.embed(input_ids)
         if self.mesh_plan is not None:
             h = self.mesh_plan.batch(h)
@@ -493,6 +520,33 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
                            None if attention_mask is None else jnp.asarray(attention_mask),
                            None if position_ids is None else jnp.asarray(position_ids, jnp.int32))
 
+    def init_mtp_cache(self, batch: int, max_len: int) -> Cache:
+        """An empty K/V cache for the MTP head (one entry per MTP layer, slots aligned with the main cache's)."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head (the checkpoint has no mtp.* weights)")
+        cfg = self.config
+        shape = (len(self.mtp.layers), batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        kv = KVState(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype))  # the head has no KV scales
+        return Cache(slots=(kv,), key_valid=jnp.zeros((batch, max_len), bool), positions=jnp.zeros((batch,), jnp.int32),
+                     lengths=jnp.zeros((batch,), jnp.int32))
+
+    def mtp_forward(self, next_ids, hidden, cache: Cache, *, attention_mask=None, position_ids=None):
+        """The MTP head on top of its cache (:meth:`init_mtp_cache`): for each position t, ``next_ids[:, t]`` is the
+        token at t+1 and ``hidden[:, t]`` the main model's post-final-norm hidden at t (or, chained, the head's own
+        previous output); the head's attention runs at ``position_ids`` (the positions of the tokens at t+1).
+
+        Returns:
+          (logits of the token at t+2 ``[B, T, V]``, the head's output hidden ``[B, T, H]``, the updated cache).
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head (the checkpoint has no mtp.* weights)")
+        ctx, m = self.step_context(next_ids, attention_mask, position_ids, cache)
+        y, kv = self.mtp(self.embed(next_ids), hidden, ctx, cache.slots[0])
+        lengths = cache.lengths + ctx.span
+        positions = cache.positions + jnp.sum(m, axis=1, dtype=jnp.int32)
+        new = Cache(slots=(kv,), key_valid=ctx.key_valid, positions=positions, lengths=lengths)
+        return self.logits_from_hidden(y), y, new
+
     def mtp_logits(self, input_ids, hidden: jnp.ndarray | None = None) -> jnp.ndarray:
         """Next-next-token logits from the MTP head, ``[B, T-1, V]``: row t predicts token t+2 from (h_t, token t+1).
 
@@ -508,7 +562,7 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(self.config, positions, self.dtype)
         ctx = StepContext(cos=cos, sin=sin, token_mask=None, key_valid=jnp.ones((b, t - 1), bool),
                           query_slot=jnp.arange(t - 1, dtype=jnp.int32)[None])
-        y = self.mtp(self.embed(input_ids[:, 1:]), hidden[:, :-1], ctx)
+        y, _ = self.mtp(self.embed(input_ids[:, 1:]), hidden[:, :-1], ctx)
         return self.logits_from_hidden(y)
 
 

@@ -21,6 +21,7 @@ from qjax.kernels import use as use_kernels
 from qjax.model.cache import Cache
 from qjax.model.config import GenerationConfig
 from qjax.runtime.sampling import SamplingArrays, filter_logits
+from qjax.runtime.speculative import generate_speculative
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -179,6 +180,13 @@ def _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_to
 
 
 def _prepare(model, input_ids, attention_mask, max_new_tokens):
+    ids, mask = _check_prompt(model, input_ids, attention_mask)
+    cache = model.init_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(mask), cache
+
+
+def _check_prompt(model, input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
+    """(ids ``[B, T]``, mask ``[B, T]``) as numpy, checked: in-vocabulary ids, left padding, a real last token."""
     ids = np.asarray(input_ids)
     if ids.ndim == 1:
         ids = ids[None]
@@ -194,14 +202,14 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens):
         raise ValueError("attention_mask must be left-padded (zeros before ones in every row)")
     if np.any(mask[:, -1] == 0):
         raise ValueError("every row needs at least one real token at the end (left padding)")
-    cache = model.init_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
-    return jnp.asarray(ids, jnp.int32), jnp.asarray(mask), cache
+    return ids, mask
 
 
 def generate(model, input_ids, *, max_new_tokens: int | None = None, attention_mask=None,
              do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
-             generation_config: GenerationConfig | None = None) -> np.ndarray:
+             generation_config: GenerationConfig | None = None, speculative: str | None = None,
+             num_speculative_tokens: int | None = None, return_stats: bool = False):
     """Generate up to ``max_new_tokens`` tokens after each (left-padded) prompt.
 
     Unset sampling options come from ``generation_config`` or the model's ``generation_config.json``; greedy when
@@ -210,12 +218,26 @@ def generate(model, input_ids, *, max_new_tokens: int | None = None, attention_m
     Args:
       input_ids: ``[B, T]`` (or ``[T]``) int token ids, left-padded.
       attention_mask: ``[B, T]``, 0 at left pads; default all ones.
+      speculative: ``"mtp"``: the checkpoint's MTP head drafts ``num_speculative_tokens`` (default 1) tokens per
+        main-model call (:mod:`qjax.runtime.speculative`; greedy only, same tokens as without it).
+      return_stats: also return a :class:`qjax.runtime.speculative.SpeculativeStats` (with ``speculative``).
     Returns:
       ``[B, T + n]`` int32 numpy array: the prompts followed by the n generated tokens (n ≤ max_new_tokens; fewer
-      when every row stopped early).
+      when every row stopped early); with ``return_stats``, ``(tokens, stats)``.
     """
     s, n_new = _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
                         generation_config)
+    if speculative is not None or num_speculative_tokens is not None:
+        if speculative != "mtp":
+            raise ValueError(f"speculative must be 'mtp' (the checkpoint's MTP head), got {speculative!r}")
+        if s.do_sample:
+            raise ValueError("speculative decoding is greedy only so far: pass do_sample=False")
+        ids, mask = _check_prompt(model, input_ids, attention_mask)
+        k = 1 if num_speculative_tokens is None else int(num_speculative_tokens)
+        tokens, stats = generate_speculative(model, ids, mask, max_new_tokens=n_new, k=k, eos=s.eos, pad=s.pad)
+        return (tokens, stats) if return_stats else tokens
+    if return_stats:
+        raise ValueError("return_stats needs speculative='mtp'")
     ids, mask, cache = _prepare(model, input_ids, attention_mask, n_new)
     graphdef, state = nnx.split(model)
     logits, cache = prefill(graphdef, state, cache, ids, mask)
