@@ -38,7 +38,6 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -50,10 +49,9 @@ import numpy as np  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # tests/oracles: the transformers models and truth
-from cpu_speed import RESULTS, git_state, write_section  # noqa: E402
+from cpu_speed import RESULTS, bench, git_state, write_section  # noqa: E402
 
 SECTION = "## float32 accuracy and the float64 mode (issue 21)"
-KINDS = ("two_chunks", "left_padded", "mrope_3d")
 SEEDS = {"two_chunks": (100, 101), "left_padded": (102, 103), "mrope_3d": (104, 105)}
 GDN_SHAPES = {"small": dict(b=2, t=90, hk=3, hv=6, dk=12, dv=20),
               "large": dict(b=1, t=512, hk=16, hv=32, dk=128, dv=128)}
@@ -63,24 +61,6 @@ RMS_RATIO_BOUND = 1.1  # tests/test_model.py's bound on qjax f32 RMS error / tra
 # ---------------------------------------------------------------------------------------------------------------------
 # inputs
 # ---------------------------------------------------------------------------------------------------------------------
-def model_case(kind: str, vocab: int, seed: int):
-    """(ids, attention_mask, position_ids) of one input kind (the conventions of tests/test_model.py)."""
-    rng = np.random.default_rng(seed)
-    if kind == "two_chunks":
-        return rng.integers(0, vocab, (2, 90)).astype(np.int32), None, None
-    if kind == "left_padded":
-        ids = rng.integers(0, vocab, (3, 70)).astype(np.int32)
-        mask = np.ones_like(ids)
-        mask[0, :9] = 0
-        mask[2, :40] = 0
-        return ids, mask, np.broadcast_to(np.arange(70), ids.shape).astype(np.int32).copy()
-    if kind == "mrope_3d":
-        ids = rng.integers(0, vocab, (2, 77)).astype(np.int32)
-        pos = np.stack([np.sort(rng.integers(0, 120, (2, 77)), axis=1) for _ in range(3)]).astype(np.int32)
-        return ids, None, pos
-    raise ValueError(kind)
-
-
 def gdn_inputs(b, t, hk, hv, dk, dv, seed=0):
     """float32 numpy (q, k, v, g, beta) in the layouts of ``chunk_gated_delta_rule``."""
     rng = np.random.default_rng(seed)
@@ -230,7 +210,7 @@ def load_models(log) -> dict:
 
 
 def model_accuracy(models: dict, log) -> list[ModelRow]:
-    from oracles.hf import hf_logits
+    from oracles.hf import INPUT_KINDS, hf_logits, input_case
 
     rows: list[ModelRow] = []
     rms = lambda e: float(np.sqrt(np.mean(e ** 2)))  # noqa: E731
@@ -238,9 +218,9 @@ def model_accuracy(models: dict, log) -> list[ModelRow]:
         hf, truth, m32, m64 = m["hf"], m["truth"], m["m32"], m["m64"]
         tap32, tap64 = RouterTap(hf), RouterTap(truth)
         errs = []
-        for kind in KINDS:
+        for kind in INPUT_KINDS:
             for seed in SEEDS[kind]:
-                ids, mask, pos = model_case(kind, m["cfg"]["vocab_size"], seed)
+                ids, mask, pos = input_case(kind, m["cfg"]["vocab_size"], seed)
                 real = np.ones(ids.shape, bool) if mask is None else mask.astype(bool)
                 want = hf_logits(truth, ids, mask, pos)
                 assert want.dtype == np.float64
@@ -325,22 +305,6 @@ def gdn_accuracy(log) -> list[GdnRow]:
     return rows
 
 
-def bench(fns: dict, repeats: int) -> dict[str, tuple[float, float, list[float]]]:
-    """One warm-up call each (timed: includes compilation), then ``repeats`` interleaved rounds; per callable
-    (median, warm-up time, runs)."""
-    first, runs = {}, {k: [] for k in fns}
-    for k, fn in fns.items():
-        t0 = time.perf_counter()
-        fn()
-        first[k] = time.perf_counter() - t0
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            runs[k].append(time.perf_counter() - t0)
-    return {k: (statistics.median(r), first[k], r) for k, r in runs.items()}
-
-
 def forward_ids() -> np.ndarray:
     """The ids of the timed model forward: ``[4, 256]`` in the tiny config's vocabulary."""
     return np.random.default_rng(7).integers(0, 512, (4, 256)).astype(np.int32)
@@ -383,20 +347,20 @@ def cost(models: dict, repeats: int, log) -> list[CostRow]:
         tm = bench({"cur": lambda xj=xj: jax.block_until_ready(cur(*xj)),
                     "old": lambda xj=xj: jax.block_until_ready(old(*xj))}, repeats)
         desc = f"chunked GDN, float32, B=1 T={t} Hk=16 Hv=32 Dk=Dv=128"
-        rows.append(CostRow(desc, "two-float cumsum (current)", tm["cur"][0], "single cumsum (before)", tm["old"][0],
-                            repeats, min(tm["cur"][2]), min(tm["old"][2])))
-        log(f"{desc}: current {tm['cur'][0] * 1e3:.1f} ms, before {tm['old'][0] * 1e3:.1f} ms, "
-            f"ratio {tm['cur'][0] / tm['old'][0]:.3f}")
+        rows.append(CostRow(desc, "two-float cumsum (current)", tm["cur"].median, "single cumsum (before)",
+                            tm["old"].median, repeats, min(tm["cur"].runs), min(tm["old"].runs)))
+        log(f"{desc}: current {tm['cur'].median * 1e3:.1f} ms, before {tm['old'].median * 1e3:.1f} ms, "
+            f"ratio {tm['cur'].median / tm['old'].median:.3f}")
 
     m32, m64 = models["tiny"]["m32"], models["tiny"]["m64"]
     ids = forward_ids()
     tm = bench({"f64": lambda: jax.block_until_ready(m64(ids)), "f32": lambda: jax.block_until_ready(m32(ids))},
                repeats)
     desc = "tiny model forward `model(ids)`, ids [4, 256]"
-    rows.append(CostRow(desc, "float64 mode", tm["f64"][0], "float32", tm["f32"][0], repeats, min(tm["f64"][2]),
-                        min(tm["f32"][2])))
-    log(f"{desc}: float64 {tm['f64'][0] * 1e3:.1f} ms, float32 {tm['f32'][0] * 1e3:.1f} ms, "
-        f"ratio {tm['f64'][0] / tm['f32'][0]:.2f}")
+    rows.append(CostRow(desc, "float64 mode", tm["f64"].median, "float32", tm["f32"].median, repeats,
+                        min(tm["f64"].runs), min(tm["f32"].runs)))
+    log(f"{desc}: float64 {tm['f64'].median * 1e3:.1f} ms, float32 {tm['f32'].median * 1e3:.1f} ms, "
+        f"ratio {tm['f64'].median / tm['f32'].median:.2f}")
     return rows
 
 

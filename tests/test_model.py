@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from oracles.hf import hf_logits
+from oracles.hf import INPUT_KINDS, hf_logits, input_case
 
 import qjax
 from qjax.model.config import TextConfig
@@ -44,25 +44,7 @@ def _ids(vocab: int, b: int, t: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, (b, t)).astype(np.int32)
 
 
-def _case(kind: str, vocab: int, seed: int):
-    """(ids, attention_mask, position_ids) of one input kind: T = 90 over two GDN chunks, a left-padded batch (explicit
-    positions, as transformers' plain forward does not count them from the mask), or 3-row M-RoPE positions."""
-    rng = np.random.default_rng(seed)
-    if kind == "two_chunks":
-        return rng.integers(0, vocab, (2, 90)).astype(np.int32), None, None
-    if kind == "left_padded":
-        ids = rng.integers(0, vocab, (3, 70)).astype(np.int32)
-        mask = np.ones_like(ids)
-        mask[0, :9] = 0
-        mask[2, :40] = 0
-        return ids, mask, np.broadcast_to(np.arange(70), ids.shape).astype(np.int32).copy()
-    ids = rng.integers(0, vocab, (2, 77)).astype(np.int32)
-    # (T, H, W) rows that differ, as for an image grid: catches chunked-vs-interleaved sections
-    pos = np.stack([np.sort(rng.integers(0, 120, (2, 77)), axis=1) for _ in range(3)]).astype(np.int32)
-    return ids, None, pos
-
-
-CASES = ("two_chunks", "left_padded", "mrope_3d")
+CASES = INPUT_KINDS
 
 
 def _real(mask, shape):
@@ -76,7 +58,7 @@ def test_float64_equals_transformers_float64(which, kind, request, x64):
     truth = request.getfixturevalue(which.replace("_hf", "_truth"))
     model = qjax.load_model(path, dtype="float64")
     assert model.dtype == jnp.float64 and jax.config.jax_enable_x64  # load_model switched x64 on
-    ids, mask, pos = _case(kind, model.config.vocab_size, seed=CASES.index(kind))
+    ids, mask, pos = input_case(kind, model.config.vocab_size, seed=CASES.index(kind))
     got = np.asarray(model(ids, attention_mask=mask, position_ids=pos))
     want = hf_logits(truth, ids, mask, pos)
     assert got.dtype == np.float64
@@ -90,7 +72,7 @@ def test_float32_as_accurate_as_transformers_float32(which, kind, request):
     hf, path = request.getfixturevalue(which)
     truth = request.getfixturevalue(which.replace("_hf", "_truth"))
     model = qjax.load_model(path)
-    ids, mask, pos = _case(kind, model.config.vocab_size, seed=CASES.index(kind))
+    ids, mask, pos = input_case(kind, model.config.vocab_size, seed=CASES.index(kind))
     real = _real(mask, ids.shape)
     want = hf_logits(truth, ids, mask, pos)[real]
     ours = np.abs(np.asarray(model(ids, attention_mask=mask, position_ids=pos), np.float64)[real] - want)

@@ -396,6 +396,29 @@ def write_official_layout(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+INPUT_KINDS = ("two_chunks", "left_padded", "mrope_3d")
+
+
+def input_case(kind: str, vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(ids, attention_mask, position_ids) of one input kind: T = 90 over two GDN chunks, a left-padded batch (explicit
+    positions, as transformers' plain forward does not count them from the mask), or 3-row M-RoPE positions (T, H, W
+    rows that differ, as for an image grid: catches chunked-vs-interleaved sections)."""
+    rng = np.random.default_rng(seed)
+    if kind == "two_chunks":
+        return rng.integers(0, vocab, (2, 90)).astype(np.int32), None, None
+    if kind == "left_padded":
+        ids = rng.integers(0, vocab, (3, 70)).astype(np.int32)
+        mask = np.ones_like(ids)
+        mask[0, :9] = 0
+        mask[2, :40] = 0
+        return ids, mask, np.broadcast_to(np.arange(70), ids.shape).astype(np.int32).copy()
+    if kind != "mrope_3d":
+        raise ValueError(f"unknown input kind {kind!r}")
+    ids = rng.integers(0, vocab, (2, 77)).astype(np.int32)
+    pos = np.stack([np.sort(rng.integers(0, 120, (2, 77)), axis=1) for _ in range(3)]).astype(np.int32)
+    return ids, None, pos
+
+
 def _as_long(x: np.ndarray | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(np.asarray(x), dtype=torch.long)
 
