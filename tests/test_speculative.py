@@ -87,3 +87,27 @@ def test_refusals(mtp_model, tiny_hf):
     with pytest.raises(ValueError, match="≥ 1"):
         qjax.generate(mtp_model, ids, max_new_tokens=4, do_sample=False, speculative="mtp",
                       num_speculative_tokens=0)
+
+
+def test_stream_and_cli_emit_the_same_tokens(mtp_model, official_dir, capsys):
+    """qjax.stream(speculative='mtp') yields, position by position, what plain stream yields (rows stopping at a stop
+    token at different times: padded); `qjax generate --speculative mtp` prints what it prints without."""
+    from qjax.cli import main
+
+    ids, mask = _batch(mtp_model.config.vocab_size)
+    plain = qjax.generate(mtp_model, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[], do_sample=False)
+    stop = int(plain[1, ids.shape[1] + 5])  # row 1 stops after 6 tokens (other rows where that token shows up)
+    kw = dict(attention_mask=mask, max_new_tokens=16, eos_token_id=[stop], pad_token_id=0, do_sample=False)
+    want = np.stack(list(qjax.stream(mtp_model, ids, **kw)), axis=1)
+    got = np.stack(list(qjax.stream(mtp_model, ids, speculative="mtp", num_speculative_tokens=3, **kw)), axis=1)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(qjax.generate(mtp_model, ids, speculative="mtp", num_speculative_tokens=3, **kw),
+                                  np.concatenate([ids, want], axis=1))
+
+    prompt = " ".join(map(str, ids[0, 5:]))
+    outs = []
+    for extra in ([], ["--speculative", "mtp", "--num-speculative-tokens", "2"]):
+        assert main(["generate", "--model", official_dir, "--ids", prompt, "--max-new-tokens", "9", "--no-do-sample",
+                     *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and len(outs[0].split()) == 9

@@ -118,8 +118,11 @@ def _user_facing(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse
 
 
 def _sampling_kwargs(a: argparse.Namespace) -> dict:
-    return dict(max_new_tokens=a.max_new_tokens, do_sample=a.do_sample, temperature=a.temperature, top_k=a.top_k,
-                top_p=a.top_p)
+    kw = dict(max_new_tokens=a.max_new_tokens, do_sample=a.do_sample, temperature=a.temperature, top_k=a.top_k,
+              top_p=a.top_p)
+    if a.speculative is not None:
+        kw.update(speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens)
+    return kw
 
 
 def _load(folder: str, a: argparse.Namespace):
@@ -282,6 +285,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -
     p.add_argument("--top-k", type=int, default=None, help="default: generation_config.json")
     p.add_argument("--top-p", type=float, default=None, help="default: generation_config.json")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative", choices=["mtp"], default=None,
+                   help="speculative decoding with the checkpoint's MTP head (greedy; the same tokens, fewer "
+                        "main-model calls)")
+    p.add_argument("--num-speculative-tokens", type=int, default=1, help="drafts per main-model call (default 1)")
     add_dtype_argument(p)
     p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="run on several devices, e.g. tensor=2,expert=4 (axes data, tensor, expert; see README)")

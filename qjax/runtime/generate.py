@@ -21,7 +21,8 @@ from qjax.kernels import use as use_kernels
 from qjax.model.cache import Cache
 from qjax.model.config import GenerationConfig
 from qjax.runtime.sampling import SamplingArrays, filter_logits
-from qjax.runtime.speculative import generate_speculative
+from qjax.runtime.speculative import SpeculativeStats, generate_speculative
+from qjax.runtime.speculative import rounds as speculative_rounds
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -179,6 +180,31 @@ def _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_to
     return s, int(max_new_tokens)
 
 
+def _speculative_k(s: DecodeSettings, speculative, num_speculative_tokens) -> int:
+    if speculative != "mtp":
+        raise ValueError(f"speculative must be 'mtp' (the checkpoint's MTP head), got {speculative!r}")
+    if s.do_sample:
+        raise ValueError("speculative decoding is greedy only so far: pass do_sample=False")
+    return 1 if num_speculative_tokens is None else int(num_speculative_tokens)
+
+
+def _stream_speculative(model, input_ids, attention_mask, s: DecodeSettings, n_new: int, speculative,
+                        num_speculative_tokens) -> Iterator[np.ndarray]:
+    k = _speculative_k(s, speculative, num_speculative_tokens)
+    ids, mask = _check_prompt(model, input_ids, attention_mask)
+    stats = SpeculativeStats(num_speculative_tokens=k, accepted_at=[0] * k)
+    rows = [[] for _ in range(ids.shape[0])]
+    sent = 0
+    for new, done in speculative_rounds(model, ids, mask, max_new_tokens=n_new, k=k, eos=s.eos, stats=stats):
+        for row, toks in zip(rows, new):
+            row.extend(toks)
+        # a position is out once every row still generating has reached it
+        ready = min((len(row) for row, d in zip(rows, done) if not d), default=max(len(row) for row in rows))
+        for i in range(sent, ready):
+            yield np.asarray([row[i] if i < len(row) else s.pad for row in rows], np.int32)
+        sent = max(sent, ready)
+
+
 def _prepare(model, input_ids, attention_mask, max_new_tokens):
     ids, mask = _check_prompt(model, input_ids, attention_mask)
     cache = model.init_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
@@ -228,12 +254,8 @@ def generate(model, input_ids, *, max_new_tokens: int | None = None, attention_m
     s, n_new = _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
                         generation_config)
     if speculative is not None or num_speculative_tokens is not None:
-        if speculative != "mtp":
-            raise ValueError(f"speculative must be 'mtp' (the checkpoint's MTP head), got {speculative!r}")
-        if s.do_sample:
-            raise ValueError("speculative decoding is greedy only so far: pass do_sample=False")
+        k = _speculative_k(s, speculative, num_speculative_tokens)
         ids, mask = _check_prompt(model, input_ids, attention_mask)
-        k = 1 if num_speculative_tokens is None else int(num_speculative_tokens)
         tokens, stats = generate_speculative(model, ids, mask, max_new_tokens=n_new, k=k, eos=s.eos, pad=s.pad)
         return (tokens, stats) if return_stats else tokens
     if return_stats:
@@ -249,10 +271,17 @@ def generate(model, input_ids, *, max_new_tokens: int | None = None, attention_m
 def stream(model, input_ids, *, max_new_tokens: int | None = None, attention_mask=None,
            do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
            top_p: float | None = None, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
-           generation_config: GenerationConfig | None = None) -> Iterator[np.ndarray]:
-    """Like :func:`generate` but yields each step's ``[B]`` tokens as soon as they exist (same tokens, same seed)."""
+           generation_config: GenerationConfig | None = None, speculative: str | None = None,
+           num_speculative_tokens: int | None = None) -> Iterator[np.ndarray]:
+    """Like :func:`generate` but yields each step's ``[B]`` tokens as soon as they exist (same tokens, same seed).
+    With ``speculative="mtp"`` a verify round yields all the positions every row has reached (1 … k + 1 at once;
+    rows that stopped give ``pad_token_id``)."""
     s, n_new = _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
                         generation_config)
+    if speculative is not None or num_speculative_tokens is not None:
+        yield from _stream_speculative(model, input_ids, attention_mask, s, n_new, speculative,
+                                       num_speculative_tokens)
+        return
     ids, mask, cache = _prepare(model, input_ids, attention_mask, n_new)
     graphdef, state = nnx.split(model)
     logits, cache = prefill(graphdef, state, cache, ids, mask)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -109,12 +110,12 @@ def verify_round(graphdef, state, cache: Cache, mtp_cache: Cache, last, drafts):
     return g, consumed, next_drafts, cache, mtp_cache
 
 
-def generate_speculative(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...], pad: int
-                         ) -> tuple[np.ndarray, SpeculativeStats]:
-    """Greedy generation with MTP drafts (module docstring): the same tokens as plain greedy ``generate``.
-
-    ``ids``, ``mask``: ``[B, T]`` left-padded prompt (checked by the caller). Returns (``[B, T + n]`` prompts and
-    new tokens, rows that stopped padded with ``pad``; the stats)."""
+def rounds(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...], stats: SpeculativeStats
+           ) -> Iterator[tuple[list[list[int]], list[bool]]]:
+    """Greedy generation with MTP drafts (module docstring), round by round: yields, after the prefill and after each
+    verify round, (the tokens each row emitted in it, whether each row has stopped: a stop token or
+    ``max_new_tokens``). ``stats`` is updated as it goes. ``ids``, ``mask``: ``[B, T]`` left-padded prompt (checked
+    by the caller)."""
     if model.mtp is None:
         raise ValueError("speculative='mtp' needs the checkpoint's MTP head, but it has no mtp.* weights")
     if k < 1:
@@ -127,14 +128,16 @@ def generate_speculative(model, ids, mask, *, max_new_tokens: int, k: int, eos: 
     graphdef, state = nnx.split(model)
     first, drafts, cache, mtp_cache = prefill(graphdef, state, cache, mtp_cache, jnp.asarray(ids, jnp.int32),
                                               jnp.asarray(mask, jnp.int32), k)
-    out = [[int(x)] for x in np.asarray(first)]
-    done = [row[0] in eos or max_new_tokens == 1 for row in out]
-    stats = SpeculativeStats(num_speculative_tokens=k, accepted_at=[0] * k)
+    new = [[int(x)] for x in np.asarray(first)]
+    count = [1] * b
+    done = [row[0] in eos or max_new_tokens == 1 for row in new]
+    yield new, list(done)
     last = first
     while not all(done):
         g, consumed, drafts, cache, mtp_cache = verify_round(graphdef, state, cache, mtp_cache, last, drafts)
         g_np, n_np = np.asarray(g), np.asarray(consumed)
         stats.rounds += 1
+        new = [[] for _ in range(b)]
         for r in range(b):
             if done[r]:
                 continue
@@ -144,11 +147,25 @@ def generate_speculative(model, ids, mask, *, max_new_tokens: int, k: int, eos: 
             for j in range(n - 1):
                 stats.accepted_at[j] += 1
             for tok in g_np[r, :n]:
-                out[r].append(int(tok))
-                if int(tok) in eos or len(out[r]) >= max_new_tokens:
+                new[r].append(int(tok))
+                count[r] += 1
+                if int(tok) in eos or count[r] >= max_new_tokens:
                     done[r] = True
                     break
+        yield new, list(done)
         last = g[jnp.arange(b), consumed - 1]
+
+
+def generate_speculative(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...], pad: int
+                         ) -> tuple[np.ndarray, SpeculativeStats]:
+    """All of :func:`rounds` at once: (``[B, T + n]`` prompts and new tokens, rows that stopped padded with ``pad``;
+    the stats) — the same tokens as plain greedy ``generate``."""
+    stats = SpeculativeStats(num_speculative_tokens=k, accepted_at=[0] * k)
+    out = [[] for _ in range(ids.shape[0])]
+    for new, _ in rounds(model, ids, mask, max_new_tokens=max_new_tokens, k=k, eos=eos, stats=stats):
+        for row, toks in zip(out, new):
+            row.extend(toks)
+    b = ids.shape[0]
     n_new = max(len(row) for row in out)
     new = np.full((b, n_new), pad, np.int32)
     for r, row in enumerate(out):
