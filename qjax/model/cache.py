@@ -101,20 +101,20 @@ class Cache:
         being valid keys (the next call overwrites them anyway).
 
         ``consumed``: ``[B]`` int32. Every row must have taken the whole verify call (no padding in it)."""
-        slots = []
+        slots, n = [], None
         for s in self.slots:
             if isinstance(s, KVState):
                 slots.append(s)
                 continue
             if s.steps is None:
                 raise ValueError("Cache.accept needs a cache made with spec_tokens (GDNState.steps)")
+            n = s.steps.shape[2]
             b = jnp.arange(s.steps.shape[1])
             recurrent = s.steps[:, b, consumed - 1]  # [G, B, Hv, Dk, Dv]
             k1 = s.conv.shape[2]
             at = consumed[:, None] + jnp.arange(k1)[None, :]  # [B, K-1]: the window ends after the last kept input
             conv = jnp.take_along_axis(s.conv_steps, at[None, :, :, None], axis=2)
             slots.append(s.replace(conv=conv, recurrent=recurrent))
-        n = next(s.steps.shape[2] for s in self.slots if isinstance(s, GDNState))
         lengths = self.lengths - n + consumed
         key_valid = self.key_valid & (jnp.arange(self.max_len)[None, :] < lengths[:, None])
         return Cache(slots=tuple(slots), key_valid=key_valid, positions=self.positions - n + consumed,

@@ -503,14 +503,7 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         h = self.norm(h)
         with jax.named_scope("lm_head"):
             logits = self.logits_from_hidden(h[:, -1:] if last_only else h)
-        new_cache = None
-        if cache is not None:
-            rows = cache_rows
-            lengths = gather_rows(cache.lengths, rows) + ctx.span
-            positions = gather_rows(cache.positions, rows) + jnp.sum(m, axis=1, dtype=jnp.int32)
-            new_cache = Cache(slots=new_slots, key_valid=scatter_rows(cache.key_valid, rows, ctx.key_valid),
-                              positions=scatter_rows(cache.positions, rows, positions),
-                              lengths=scatter_rows(cache.lengths, rows, lengths))
+        new_cache = None if cache is None else _advanced(cache, new_slots, ctx, m, cache_rows)
         return ForwardOutput(logits=logits, hidden=h, cache=new_cache, hidden_states=hidden_states)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None) -> jnp.ndarray:
@@ -542,10 +535,7 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
             raise ValueError("this model has no MTP head (the checkpoint has no mtp.* weights)")
         ctx, m = self.step_context(next_ids, attention_mask, position_ids, cache)
         y, kv = self.mtp(self.embed(next_ids), hidden, ctx, cache.slots[0])
-        lengths = cache.lengths + ctx.span
-        positions = cache.positions + jnp.sum(m, axis=1, dtype=jnp.int32)
-        new = Cache(slots=(kv,), key_valid=ctx.key_valid, positions=positions, lengths=lengths)
-        return self.logits_from_hidden(y), y, new
+        return self.logits_from_hidden(y), y, _advanced(cache, (kv,), ctx, m)
 
     def mtp_logits(self, input_ids, hidden: jnp.ndarray | None = None) -> jnp.ndarray:
         """Next-next-token logits from the MTP head, ``[B, T-1, V]``: row t predicts token t+2 from (h_t, token t+1).
@@ -564,6 +554,16 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
                           query_slot=jnp.arange(t - 1, dtype=jnp.int32)[None])
         y, _ = self.mtp(self.embed(input_ids[:, 1:]), hidden[:, :-1], ctx)
         return self.logits_from_hidden(y)
+
+
+def _advanced(cache: Cache, slots: tuple, ctx: StepContext, mask: jnp.ndarray, rows=None) -> Cache:
+    """``cache`` after a call wrote ``slots`` at ``rows``: the call's valid keys, and each row's length and next
+    position moved past its tokens (``mask [B, T]``: the real ones)."""
+    lengths = gather_rows(cache.lengths, rows) + ctx.span
+    positions = gather_rows(cache.positions, rows) + jnp.sum(mask, axis=1, dtype=jnp.int32)
+    return Cache(slots=slots, key_valid=scatter_rows(cache.key_valid, rows, ctx.key_valid),
+                 positions=scatter_rows(cache.positions, rows, positions),
+                 lengths=scatter_rows(cache.lengths, rows, lengths))
 
 
 # modules whose __call__ takes ``layer`` and indexes every one of their variables with it (through the kernels)

@@ -192,7 +192,7 @@ def _stream_speculative(model, input_ids, attention_mask, s: DecodeSettings, n_n
                         num_speculative_tokens) -> Iterator[np.ndarray]:
     k = _speculative_k(s, speculative, num_speculative_tokens)
     ids, mask = _check_prompt(model, input_ids, attention_mask)
-    stats = SpeculativeStats(num_speculative_tokens=k, accepted_at=[0] * k)
+    stats = SpeculativeStats(num_speculative_tokens=k)  # a stream returns tokens only
     rows = [[] for _ in range(ids.shape[0])]
     sent = 0
     for new, done in speculative_rounds(model, ids, mask, max_new_tokens=n_new, k=k, eos=s.eos, stats=stats):

@@ -41,6 +41,9 @@ class SpeculativeStats:
     emitted: int = 0  # tokens those rows emitted in verify rounds (accepted drafts + the main model's own)
     accepted_at: list[int] = dataclasses.field(default_factory=list)  # row-rounds that accepted draft j, j = 1..k
 
+    def __post_init__(self):
+        self.accepted_at = self.accepted_at or [0] * self.num_speculative_tokens
+
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per verify call and row (1 … k + 1; 1 = no draft ever accepted)."""
@@ -160,7 +163,7 @@ def generate_speculative(model, ids, mask, *, max_new_tokens: int, k: int, eos: 
                          ) -> tuple[np.ndarray, SpeculativeStats]:
     """All of :func:`rounds` at once: (``[B, T + n]`` prompts and new tokens, rows that stopped padded with ``pad``;
     the stats) — the same tokens as plain greedy ``generate``."""
-    stats = SpeculativeStats(num_speculative_tokens=k, accepted_at=[0] * k)
+    stats = SpeculativeStats(num_speculative_tokens=k)
     out = [[] for _ in range(ids.shape[0])]
     for new, _ in rounds(model, ids, mask, max_new_tokens=max_new_tokens, k=k, eos=eos, stats=stats):
         for row, toks in zip(out, new):
