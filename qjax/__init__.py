@@ -24,7 +24,7 @@ _EXPORTS = {
     "LoadError": "checkpoint.loading", "load_model": "checkpoint.loading",
     "SafetensorsError": "checkpoint.safetensors_io",
     "extend": "runtime.generate", "generate": "runtime.generate",
-    "stream": "runtime.generate",
+    "stream": "runtime.generate", "SpeculativeStats": "runtime.speculative",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,6 +15,7 @@ import argparse
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
@@ -58,11 +59,11 @@ def check_max_new_tokens(n: int) -> None:
 
 
 def stream_text(model, tokenizer, ids: Sequence[int], out: TextIO, *, stop_ids: Sequence[int], pad_to: int = 1,
-                **sampling) -> list[int]:
+                verbose: bool = False, **sampling) -> list[int]:
     """Generate after the prompt ``ids`` and write the text to ``out`` piece by piece as it decodes.
 
     ``pad_to``: left-pad the prompt to a multiple of this many tokens (masked, no effect on the result).
-    Returns the generated ids without the stop token.
+    ``verbose``: a :func:`report_line` on stderr at the end. Returns the generated ids without the stop token.
     """
     import qjax
 
@@ -76,7 +77,10 @@ def stream_text(model, tokenizer, ids: Sequence[int], out: TextIO, *, stop_ids: 
     stop = set(stop_ids)
     dec = tokenizer.stream_decoder()
     got: list[int] = []
-    for step in qjax.stream(model, prompt, attention_mask=mask, eos_token_id=list(stop_ids), **sampling):
+    stats = _stats(sampling, verbose)
+    t0 = time.perf_counter()
+    for step in qjax.stream(model, prompt, attention_mask=mask, eos_token_id=list(stop_ids), stats=stats,
+                            **sampling):
         tok = int(step[0])
         if tok in stop:
             break
@@ -87,7 +91,29 @@ def stream_text(model, tokenizer, ids: Sequence[int], out: TextIO, *, stop_ids: 
             out.flush()
     out.write(dec.flush())
     out.flush()
+    if verbose:
+        report_line(len(got), time.perf_counter() - t0, stats)
     return got
+
+
+def _stats(sampling: dict, verbose: bool):
+    """A stats object for a verbose speculative stream (None otherwise: nothing to count)."""
+    if not verbose or sampling.get("speculative") is None:
+        return None
+    from qjax.runtime.speculative import SpeculativeStats
+
+    return SpeculativeStats(num_speculative_tokens=sampling["num_speculative_tokens"])
+
+
+def report_line(n_tokens: int, seconds: float, stats) -> None:
+    """One line on stderr: tokens, time, tokens per second (prefill included), and what speculation accepted."""
+    line = f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / max(seconds, 1e-9):.1f} tok/s"
+    if stats is not None:
+        per = " ".join(f"{x:.2f}" for x in stats.acceptance_per_position)
+        line += (f"; mtp k={stats.num_speculative_tokens}: {stats.rounds} verify calls, mean accepted length "
+                 f"{stats.mean_accepted_length:.2f}, acceptance per position {per}")
+    sys.stderr.write(line + "]\n")
+    sys.stderr.flush()
 
 
 def _show_prompt(text: str, n_tokens: int) -> None:
@@ -180,13 +206,21 @@ def run_generate(a: argparse.Namespace) -> int:
     model = _load(folder, a)
     if tokenizer is not None:
         stream_text(model, tokenizer, ids, sys.stdout, stop_ids=tokenizer.stop_token_ids, seed=a.seed,
-                    **_sampling_kwargs(a))
+                    verbose=a.verbose, **_sampling_kwargs(a))
     else:
         import qjax
 
-        for step in qjax.stream(model, np.asarray([ids], np.int32), seed=a.seed, **_sampling_kwargs(a)):
+        sampling = _sampling_kwargs(a)
+        stats = _stats(sampling, a.verbose)
+        t0, n = time.perf_counter(), 0
+        for step in qjax.stream(model, np.asarray([ids], np.int32), seed=a.seed, stats=stats, **sampling):
             sys.stdout.write(f"{int(step[0])} ")
             sys.stdout.flush()
+            n += 1
+        if a.verbose:
+            sys.stdout.write("\n")
+            report_line(n, time.perf_counter() - t0, stats)
+            return 0
     sys.stdout.write("\n")
     sys.stdout.flush()
     return 0
@@ -200,11 +234,12 @@ class ChatSession:
     rewrite earlier turns — Qwen's drops old reasoning — so the new prompt need not extend the old one)."""
 
     def __init__(self, model, tokenizer, *, context: int, config_path: str, system: str | None = None,
-                 enable_thinking: bool | None = None, seed: int = 0, show_prompt: bool = False, **sampling):
+                 enable_thinking: bool | None = None, seed: int = 0, show_prompt: bool = False, verbose: bool = False,
+                 **sampling):
         self.model, self.tokenizer = model, tokenizer
         self.context, self.config_path = context, config_path
         self.system, self.enable_thinking = system, enable_thinking
-        self.seed, self.show_prompt, self.sampling = seed, show_prompt, sampling
+        self.seed, self.show_prompt, self.verbose, self.sampling = seed, show_prompt, verbose, sampling
         self.history: list[dict] = []
         self.turns = 0
 
@@ -220,7 +255,8 @@ class ChatSession:
             _show_prompt(text, len(ids))
         check_fits(len(ids), self.sampling["max_new_tokens"], self.context, self.config_path)
         got = stream_text(self.model, self.tokenizer, ids, out, stop_ids=self.tokenizer.stop_token_ids,
-                          pad_to=CHAT_PAD_MULTIPLE, seed=self.seed + self.turns, **self.sampling)
+                          pad_to=CHAT_PAD_MULTIPLE, seed=self.seed + self.turns, verbose=self.verbose,
+                          **self.sampling)
         # special tokens stay in the stored answer: templates find a reasoning trace by its </think>
         answer = self.tokenizer.decode(got)
         self.history = asked + [{"role": "assistant", "content": answer}]
@@ -241,7 +277,7 @@ def run_chat(a: argparse.Namespace) -> int:
     session = ChatSession(_load(folder, a), tokenizer, context=cfg.max_position_embeddings,
                           config_path=os.path.join(folder, "config.json"), system=a.system,
                           enable_thinking=False if a.no_think else None, seed=a.seed, show_prompt=a.show_prompt,
-                          **_sampling_kwargs(a))
+                          verbose=a.verbose, **_sampling_kwargs(a))
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"chatting with {folder}: an empty line or Ctrl-D ends, /reset forgets the conversation",
@@ -286,9 +322,12 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -
     p.add_argument("--top-p", type=float, default=None, help="default: generation_config.json")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative", choices=["mtp"], default=None,
-                   help="speculative decoding with the checkpoint's MTP head (greedy; the same tokens, fewer "
-                        "main-model calls)")
+                   help="speculative decoding with the checkpoint's MTP head: greedy gives the same tokens, "
+                        "sampling the same distribution, in fewer main-model calls")
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="drafts per main-model call (default 1)")
+    p.add_argument("--verbose", action="store_true",
+                   help="after each answer, print to stderr its tokens per second and, with --speculative, the "
+                        "mean accepted length and the acceptance per draft position")
     add_dtype_argument(p)
     p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="run on several devices, e.g. tensor=2,expert=4 (axes data, tensor, expert; see README)")

@@ -21,7 +21,7 @@ from qjax.kernels import use as use_kernels
 from qjax.model.cache import Cache
 from qjax.model.config import GenerationConfig
 from qjax.runtime.sampling import SamplingArrays, filter_logits
-from qjax.runtime.speculative import SpeculativeStats, generate_speculative
+from qjax.runtime.speculative import SpeculativeStats, generate_speculative, row_keys
 from qjax.runtime.speculative import rounds as speculative_rounds
 
 
@@ -55,6 +55,10 @@ class DecodeSettings:
     top_p: float
     eos: tuple[int, ...]
     pad: int
+
+    def arrays(self, batch: int) -> SamplingArrays:
+        """These settings for every one of ``batch`` rows (the per-row form speculation and the engine use)."""
+        return SamplingArrays.make(np.full(batch, self.do_sample), self.temperature, self.top_k, self.top_p)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -183,19 +187,22 @@ def _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_to
 def _speculative_k(s: DecodeSettings, speculative, num_speculative_tokens) -> int:
     if speculative != "mtp":
         raise ValueError(f"speculative must be 'mtp' (the checkpoint's MTP head), got {speculative!r}")
-    if s.do_sample:
-        raise ValueError("speculative decoding is greedy only so far: pass do_sample=False")
     return 1 if num_speculative_tokens is None else int(num_speculative_tokens)
 
 
-def _stream_speculative(model, input_ids, attention_mask, s: DecodeSettings, n_new: int, speculative,
-                        num_speculative_tokens) -> Iterator[np.ndarray]:
+def _stream_speculative(model, input_ids, attention_mask, s: DecodeSettings, n_new: int, seed: int, speculative,
+                        num_speculative_tokens, stats: SpeculativeStats | None) -> Iterator[np.ndarray]:
     k = _speculative_k(s, speculative, num_speculative_tokens)
     ids, mask = _check_prompt(model, input_ids, attention_mask)
-    stats = SpeculativeStats(num_speculative_tokens=k)  # a stream returns tokens only
+    if stats is None:
+        stats = SpeculativeStats(num_speculative_tokens=k)
+    elif stats.num_speculative_tokens != k:
+        raise ValueError(f"stats counts {stats.num_speculative_tokens} drafts per round, but num_speculative_tokens "
+                         f"is {k}")
     rows = [[] for _ in range(ids.shape[0])]
     sent = 0
-    for new, done in speculative_rounds(model, ids, mask, max_new_tokens=n_new, k=k, eos=s.eos, stats=stats):
+    for new, done in speculative_rounds(model, ids, mask, max_new_tokens=n_new, k=k, eos=s.eos, stats=stats,
+                                        sampling=s.arrays(ids.shape[0]), keys=row_keys(seed, ids.shape[0])):
         for row, toks in zip(rows, new):
             row.extend(toks)
         # a position is out once every row still generating has reached it
@@ -245,7 +252,8 @@ def generate(model, input_ids, *, max_new_tokens: int | None = None, attention_m
       input_ids: ``[B, T]`` (or ``[T]``) int token ids, left-padded.
       attention_mask: ``[B, T]``, 0 at left pads; default all ones.
       speculative: ``"mtp"``: the checkpoint's MTP head drafts ``num_speculative_tokens`` (default 1) tokens per
-        main-model call (:mod:`qjax.runtime.speculative`; greedy only, same tokens as without it).
+        main-model call (:mod:`qjax.runtime.speculative`): greedy, the same tokens as without it; sampling, tokens
+        from the same distribution (each row drawing with its own key from ``seed``, so not the same draws).
       return_stats: also return a :class:`qjax.runtime.speculative.SpeculativeStats` (with ``speculative``).
     Returns:
       ``[B, T + n]`` int32 numpy array: the prompts followed by the n generated tokens (n ≤ max_new_tokens; fewer
@@ -256,7 +264,8 @@ def generate(model, input_ids, *, max_new_tokens: int | None = None, attention_m
     if speculative is not None or num_speculative_tokens is not None:
         k = _speculative_k(s, speculative, num_speculative_tokens)
         ids, mask = _check_prompt(model, input_ids, attention_mask)
-        tokens, stats = generate_speculative(model, ids, mask, max_new_tokens=n_new, k=k, eos=s.eos, pad=s.pad)
+        tokens, stats = generate_speculative(model, ids, mask, max_new_tokens=n_new, k=k, eos=s.eos, pad=s.pad,
+                                             sampling=s.arrays(ids.shape[0]), keys=row_keys(seed, ids.shape[0]))
         return (tokens, stats) if return_stats else tokens
     if return_stats:
         raise ValueError("return_stats needs speculative='mtp'")
@@ -272,16 +281,20 @@ def stream(model, input_ids, *, max_new_tokens: int | None = None, attention_mas
            do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
            top_p: float | None = None, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
            generation_config: GenerationConfig | None = None, speculative: str | None = None,
-           num_speculative_tokens: int | None = None) -> Iterator[np.ndarray]:
+           num_speculative_tokens: int | None = None, stats: SpeculativeStats | None = None
+           ) -> Iterator[np.ndarray]:
     """Like :func:`generate` but yields each step's ``[B]`` tokens as soon as they exist (same tokens, same seed).
     With ``speculative="mtp"`` a verify round yields all the positions every row has reached (1 … k + 1 at once;
-    rows that stopped give ``pad_token_id``)."""
+    rows that stopped give ``pad_token_id``), and ``stats`` (a :class:`SpeculativeStats` for
+    ``num_speculative_tokens``), when given, is updated round by round."""
     s, n_new = _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
                         generation_config)
     if speculative is not None or num_speculative_tokens is not None:
-        yield from _stream_speculative(model, input_ids, attention_mask, s, n_new, speculative,
-                                       num_speculative_tokens)
+        yield from _stream_speculative(model, input_ids, attention_mask, s, n_new, seed, speculative,
+                                       num_speculative_tokens, stats)
         return
+    if stats is not None:
+        raise ValueError("stats needs speculative='mtp'")
     ids, mask, cache = _prepare(model, input_ids, attention_mask, n_new)
     graphdef, state = nnx.split(model)
     logits, cache = prefill(graphdef, state, cache, ids, mask)

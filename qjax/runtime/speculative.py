@@ -1,12 +1,18 @@
 """MTP speculative decoding: the checkpoint's own ``mtp.*`` head drafts k tokens, the main model verifies them in
-one call of k + 1 tokens, and every row keeps the longest prefix its own greedy choice agrees with, plus one token of
-the main model's (docs/serving.md §5; vLLM's ``Qwen3_5MoeMTP`` + ``EagleProposer`` + ``RejectionSampler``).
+one call of k + 1 tokens, and every row keeps the drafts its acceptance rule takes plus one token of the main model's
+(docs/serving.md §5; vLLM's ``Qwen3_5MoeMTP`` + ``EagleProposer`` + ``RejectionSampler``).
 
 One round, per row (all rows at once, each at its own cache length):
 
-1. verify: the main model runs ``[last token, d_1 … d_k]`` on top of its cache (``forward(keep_steps=True)``);
-   ``g_i = argmax logits_i``. The row accepts ``a`` drafts, the longest run with ``d_{i+1} = g_i``, and emits
-   ``g_0 … g_a`` (the accepted drafts and the main model's own next token): always what plain greedy decoding emits.
+1. verify: the main model runs ``[last token, d_1 … d_k]`` on top of its cache (``forward(keep_steps=True)``),
+   giving the target distributions ``p_0 … p_k`` (the row's temperature → top-k → top-p, as plain decoding samples).
+   The row accepts ``a`` drafts and emits ``a + 1`` tokens (:func:`accept`):
+   - greedy rows: ``a`` = the longest run with ``d_{i+1} = argmax p_i``; the emitted tokens are plain greedy's.
+   - sampling rows: the drafts are greedy, a point mass ``q = δ(d)`` as vLLM treats MTP drafts
+     (``draft_probs=None``), so the rule of Leviathan et al. (arXiv 2211.17192) accepts ``d_{i+1}`` with probability
+     ``min(1, p_i(d)/q_i(d)) = p_i(d_{i+1})``; at the first rejection it emits a token drawn from
+     ``normalize(max(0, p_i − q_i))`` = ``p_i`` with ``d_{i+1}`` removed; after k acceptances a bonus token from
+     ``p_k``. Every emitted token is then distributed exactly as plain sampling's.
 2. roll back: the verify call consumed ``a + 1`` of its tokens; :meth:`qjax.model.cache.Cache.accept` keeps exactly
    those — the GDN conv window and recurrent state after the last of them (kept per token during the call), the
    lengths, positions and valid keys; K/V of the dropped tokens are overwritten by the next call.
@@ -14,7 +20,8 @@ One round, per row (all rows at once, each at its own cache length):
    those positions, any earlier chained drafts there overwritten), and from the output at the last one chains k
    greedy drafts (its own output hidden and its last draft as the next input), as vLLM does.
 
-Greedy only for now: speculation changes nothing in what is emitted, only how many main-model calls it takes.
+Randomness: each row carries its own PRNG key, split once per round (a draw for the first token at prefill), so a
+row's tokens depend on its seed and its logits only.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from qjax.model.cache import Cache
+from qjax.runtime.sampling import SamplingArrays, filter_logits, sample, split_keys
 
 
 @dataclasses.dataclass
@@ -75,50 +83,93 @@ def _chain(model, logits, y, cache: Cache, position, k: int):
     return jnp.stack(drafts, axis=1), kept
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2, 3))
-def prefill(graphdef, state, cache: Cache, mtp_cache: Cache, ids, mask, k: int):
+def accept(logits: jnp.ndarray, drafts: jnp.ndarray, keys: jax.Array, sampling: SamplingArrays
+           ) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The acceptance rule (module docstring, step 1) for one verify call.
+
+    ``logits [B, k + 1, V]``: the main model's at ``[last, d_1 … d_k]``; ``drafts [B, k]``; ``keys [B]``: one key per
+    row for this round. Returns (``tokens [B, k + 1]``, of which row b emits the first ``consumed[b]``; ``consumed
+    [B]`` in 1 … k + 1). Greedy rows draw nothing; the sampling branch runs only when some row samples."""
+    b, k1, v = logits.shape
+    k = k1 - 1
+    g = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, k + 1]
+    greedy_accepted = jnp.sum(jnp.cumprod((drafts == g[:, :k]).astype(jnp.int32), axis=1), axis=1)
+
+    def sampled(_):
+        rows = jnp.arange(b)
+        per_row = jax.tree.map(lambda x: jnp.repeat(x, k1, axis=0), sampling)
+        p = jax.nn.softmax(filter_logits(logits.reshape(b * k1, v), per_row), axis=-1).reshape(b, k1, v)
+        key_u, key_r = (jnp.squeeze(x, 1) for x in jnp.split(jax.vmap(lambda key: jax.random.split(key))(keys), 2,
+                                                              axis=1))
+        u = jax.vmap(lambda key: jax.random.uniform(key, (k,), p.dtype))(key_u)  # [B, k] in [0, 1)
+        p_draft = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+        a = jnp.sum(jnp.cumprod((u < p_draft).astype(jnp.int32), axis=1), axis=1)  # [B] accepted drafts
+        p_a = p[rows, a]  # [B, V]: where the row's last token comes from
+        rejected = jnp.concatenate([drafts, jnp.full((b, 1), -1, jnp.int32)], axis=1)[rows, a]  # -1: none (bonus)
+        residual = jnp.where(jnp.arange(v)[None, :] == rejected[:, None], 0.0, p_a)
+        # p_a(d) = 1 leaves no mass, but then d is accepted with probability 1: fall back to p_a for safety only
+        residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_a)
+        last = jax.vmap(jax.random.categorical)(key_r, jnp.log(residual)).astype(jnp.int32)
+        steps = jnp.arange(k1)[None, :]
+        tokens = jnp.where(steps < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), last[:, None])
+        return (jnp.where(sampling.do_sample[:, None], tokens, g),
+                jnp.where(sampling.do_sample, a, greedy_accepted))
+
+    tokens, accepted = jax.lax.cond(jnp.any(sampling.do_sample), sampled, lambda _: (g, greedy_accepted), None)
+    return tokens, accepted + 1
+
+
+@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=(2, 3))
+def prefill(graphdef, state, cache: Cache, mtp_cache: Cache, ids, mask, keys, sampling: SamplingArrays, k: int):
     """Prompt ``ids [B, T]`` (left-padded by ``mask``) into both caches → (first token ``[B]``, drafts ``[B, k]``,
-    cache, MTP cache)."""
+    cache, MTP cache, keys). ``keys [B]``: the rows' PRNG keys (split once here)."""
     model = nnx.merge(graphdef, state)
     out = model.forward(ids, attention_mask=mask, cache=cache, last_only=True)
-    first = jnp.argmax(out.logits[:, -1], axis=-1).astype(jnp.int32)
+    keys, sub = split_keys(keys)
+    first = sample(out.logits[:, -1], sub, sampling)
     # the head at position t reads (h_t, token t+1) and attends at token t+1's position
     positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0) + 1
     next_ids = jnp.concatenate([ids[:, 1:], first[:, None]], axis=1)
     logits, y, mtp_cache = model.mtp_forward(next_ids, out.hidden, mtp_cache, attention_mask=mask,
                                              position_ids=positions)
     drafts, mtp_cache = _chain(model, logits[:, -1], y[:, -1:], mtp_cache, positions[:, -1], k)
-    return first, drafts, out.cache, mtp_cache
+    return first, drafts, out.cache, mtp_cache, keys
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
-def verify_round(graphdef, state, cache: Cache, mtp_cache: Cache, last, drafts):
+def verify_round(graphdef, state, cache: Cache, mtp_cache: Cache, last, drafts, keys, sampling: SamplingArrays):
     """One round (module docstring). ``last [B]``: each row's last emitted token (not yet in the cache); ``drafts
-    [B, k]``. Returns (``g [B, k + 1]``, of which row b emits the first ``consumed[b]``; ``consumed [B]`` in 1 … k+1;
-    next drafts ``[B, k]``; cache; MTP cache)."""
+    [B, k]``; ``keys [B]``: the rows' PRNG keys. Returns (``tokens [B, k + 1]``, of which row b emits the first
+    ``consumed[b]``; ``consumed [B]`` in 1 … k+1; next drafts ``[B, k]``; cache; MTP cache; keys)."""
     model = nnx.merge(graphdef, state)
     k = drafts.shape[1]
     start = cache.positions  # [B] position of `last`
     out = model.forward(jnp.concatenate([last[:, None], drafts], axis=1), cache=cache, keep_steps=True)
-    g = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)  # [B, k + 1]
-    accepted = jnp.sum(jnp.cumprod((drafts == g[:, :k]).astype(jnp.int32), axis=1), axis=1)  # [B] in 0 … k
-    consumed = accepted + 1
+    keys, sub = split_keys(keys)
+    tokens, consumed = accept(out.logits, drafts, sub, sampling)
     cache = out.cache.accept(consumed)
     steps = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    logits, y, mtp_cache = model.mtp_forward(g, out.hidden, mtp_cache, attention_mask=steps < consumed[:, None],
+    logits, y, mtp_cache = model.mtp_forward(tokens, out.hidden, mtp_cache, attention_mask=steps < consumed[:, None],
                                              position_ids=start[:, None] + steps + 1)
-    rows = jnp.arange(g.shape[0])
-    next_drafts, mtp_cache = _chain(model, logits[rows, accepted], y[rows, accepted][:, None], mtp_cache,
-                                    start + consumed, k)
-    return g, consumed, next_drafts, cache, mtp_cache
+    rows = jnp.arange(tokens.shape[0])
+    at = consumed - 1
+    next_drafts, mtp_cache = _chain(model, logits[rows, at], y[rows, at][:, None], mtp_cache, start + consumed, k)
+    return tokens, consumed, next_drafts, cache, mtp_cache, keys
 
 
-def rounds(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...], stats: SpeculativeStats
+def row_keys(seed: int, batch: int) -> jax.Array:
+    """One PRNG key per row from one seed: rows of a batch draw independently, and a seed reproduces."""
+    return jax.random.split(jax.random.key(seed), batch)
+
+
+def rounds(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...], stats: SpeculativeStats,
+           sampling: SamplingArrays | None = None, keys: jax.Array | None = None
            ) -> Iterator[tuple[list[list[int]], list[bool]]]:
-    """Greedy generation with MTP drafts (module docstring), round by round: yields, after the prefill and after each
+    """Generation with MTP drafts (module docstring), round by round: yields, after the prefill and after each
     verify round, (the tokens each row emitted in it, whether each row has stopped: a stop token or
     ``max_new_tokens``). ``stats`` is updated as it goes. ``ids``, ``mask``: ``[B, T]`` left-padded prompt (checked
-    by the caller)."""
+    by the caller); ``sampling``: per-row settings (default greedy); ``keys [B]``: per-row PRNG keys (default
+    :func:`row_keys` of seed 0)."""
     if model.mtp is None:
         raise ValueError("speculative='mtp' needs the checkpoint's MTP head, but it has no mtp.* weights")
     if k < 1:
@@ -128,16 +179,19 @@ def rounds(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...
     size = t + max_new_tokens + k + 1
     cache = model.init_cache(b, size, spec_tokens=k + 1)
     mtp_cache = model.init_mtp_cache(b, size)
+    sampling = SamplingArrays.zeros(b) if sampling is None else sampling
+    keys = row_keys(0, b) if keys is None else keys
     graphdef, state = nnx.split(model)
-    first, drafts, cache, mtp_cache = prefill(graphdef, state, cache, mtp_cache, jnp.asarray(ids, jnp.int32),
-                                              jnp.asarray(mask, jnp.int32), k)
+    first, drafts, cache, mtp_cache, keys = prefill(graphdef, state, cache, mtp_cache, jnp.asarray(ids, jnp.int32),
+                                                    jnp.asarray(mask, jnp.int32), keys, sampling, k)
     new = [[int(x)] for x in np.asarray(first)]
     count = [1] * b
     done = [row[0] in eos or max_new_tokens == 1 for row in new]
     yield new, list(done)
     last = first
     while not all(done):
-        g, consumed, drafts, cache, mtp_cache = verify_round(graphdef, state, cache, mtp_cache, last, drafts)
+        g, consumed, drafts, cache, mtp_cache, keys = verify_round(graphdef, state, cache, mtp_cache, last, drafts,
+                                                                   keys, sampling)
         g_np, n_np = np.asarray(g), np.asarray(consumed)
         stats.rounds += 1
         new = [[] for _ in range(b)]
@@ -159,13 +213,15 @@ def rounds(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...
         last = g[jnp.arange(b), consumed - 1]
 
 
-def generate_speculative(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...], pad: int
+def generate_speculative(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...], pad: int,
+                         sampling: SamplingArrays | None = None, keys: jax.Array | None = None
                          ) -> tuple[np.ndarray, SpeculativeStats]:
     """All of :func:`rounds` at once: (``[B, T + n]`` prompts and new tokens, rows that stopped padded with ``pad``;
-    the stats) — the same tokens as plain greedy ``generate``."""
+    the stats) — greedy: the same tokens as plain greedy ``generate``; sampling: tokens from the same distribution."""
     stats = SpeculativeStats(num_speculative_tokens=k)
     out = [[] for _ in range(ids.shape[0])]
-    for new, _ in rounds(model, ids, mask, max_new_tokens=max_new_tokens, k=k, eos=eos, stats=stats):
+    for new, _ in rounds(model, ids, mask, max_new_tokens=max_new_tokens, k=k, eos=eos, stats=stats,
+                         sampling=sampling, keys=keys):
         for row, toks in zip(out, new):
             row.extend(toks)
     b = ids.shape[0]
