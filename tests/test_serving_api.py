@@ -113,6 +113,42 @@ def test_openai_client(server, model, tok):
         assert stop.choices[0].text == full[:full.index(" the")] and stop.choices[0].finish_reason == "stop"
 
 
+def test_speculative_server_serves_the_same_tokens(model, tok):
+    """``--speculative-config`` as vLLM takes it: a batch of greedy prompts (rows accepting different counts inside
+    one engine), chat and streaming give exactly the tokens qjax.generate gives each prompt alone; /metrics counts
+    the drafts and what was accepted, per position."""
+    import openai
+
+    conf = '{"method": "mtp", "num_speculative_tokens": 2}'
+    s = Server([*ARGS, "--speculative-config", conf])
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY)
+        prompts = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, clever, and rich,",
+                   "The family of Dashwood"]
+        out = client.completions.create(model=NAME, prompt=prompts, max_tokens=24, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        for choice in out.choices:
+            ids = tok.encode(prompts[choice.index])
+            assert choice.model_extra["token_ids"] == alone(model, ids, SamplingParams(max_tokens=24, temperature=0))
+        messages = [{"role": "user", "content": "Who is Emma?"}]
+        chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0)
+        chat_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        want = alone(model, chat_ids, SamplingParams(max_tokens=16, temperature=0))
+        assert chat.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+        chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+        sampled = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=16, temperature=0.8, seed=3)
+        assert sampled.choices[0].text == client.completions.create(model=NAME, prompt=prompts[0], max_tokens=16,
+                                                                    temperature=0.8, seed=3).choices[0].text
+        m = s.metrics()
+        drafts, accepted = m["qjax:spec_decode_num_draft_tokens_total"], m["qjax:spec_decode_num_accepted_tokens_total"]
+        assert m["qjax:spec_decode_num_drafts_total"] * 2 == drafts and 0 < accepted <= drafts
+        assert "× 4 with MTP speculation" in "".join(s.stderr)
+    finally:
+        assert s.stop() == 0
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # lm-eval through the endpoint vs lm-eval on qjax directly
 # ---------------------------------------------------------------------------------------------------------------------
@@ -378,5 +414,8 @@ def test_unknown_flags_and_impossible_plans_are_refused(tmp_path):
     assert r.returncode == 2 and "at most" in r.stderr and "--max-num-seqs" in r.stderr, r.stderr[-2000:]
     r = serve("--max-model-len", "9000")
     assert r.returncode == 2 and "max_position_embeddings 4096" in r.stderr
-    r = serve("--speculative-config", '{"method": "mtp"}')
-    assert r.returncode == 2 and "not implemented" in r.stderr
+    for conf, says in (('{"method": "eagle"}', "method must be one of mtp"), ("mtp", "not JSON"),
+                       ('{"method": "mtp", "model": "drafter"}', "field 'model' is not supported"),
+                       ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens must be")):
+        r = serve("--speculative-config", conf)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -4,6 +4,8 @@ engine compiles a bounded set of programs and nothing new for a second workload;
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,3 +171,46 @@ def test_requests_it_cannot_serve(model, engine):
             engine.add_request("x", prompt, sp, lambda o: None)
     with pytest.raises(EngineError, match="max_model_len 9999 exceeds"):
         Engine(model, EngineConfig(max_model_len=9999))
+
+
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_engine_equals_generate_alone(official_dir, k):
+    """MTP speculation inside continuous batching (``num_speculative_tokens`` = k; the tiny model's random head, so
+    rows accept different counts): requests joining and leaving, prompts over several prefill chunks. Greedy rows get
+    exactly what qjax.generate gives each alone; seeded sampled rows get the same tokens when the workload runs
+    again; the engine's counters add up."""
+    model = qjax.load_model(official_dir)
+    eng = Engine(model, dataclasses.replace(CFG, num_speculative_tokens=k), eos_token_ids=())
+    prompts, params = _requests(0)
+    prompts = [[t % model.config.vocab_size for t in p] for p in prompts]
+    params = [dataclasses.replace(sp, ignore_eos=True) for sp in params]
+    got = _run_in_waves(eng, prompts, params)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        assert len(got[i]) == sp.max_tokens
+        if sp.greedy:
+            assert got[i] == alone(model, p, sp), (i, len(p))
+    stats = eng.speculation
+    assert stats.num_speculative_tokens == k and stats.rounds > 0
+    assert 1.0 <= stats.mean_accepted_length <= k + 1
+    assert sum(stats.acceptance_per_position) > 0  # some drafts were accepted: the rollback ran
+    kinds = [c[0] for c in eng.compiled]
+    assert "decode" not in kinds and kinds.count("verify") <= 3, eng.compiled
+    again = _run_in_waves(eng, prompts, params)
+    assert again == got
+
+
+def test_speculation_needs_an_mtp_head(model):
+    with pytest.raises(EngineError, match="no mtp"):
+        Engine(model if model.mtp is None else _without_head(model), dataclasses.replace(CFG, num_speculative_tokens=2))
+    with pytest.raises(EngineError, match="num_speculative_tokens"):
+        Engine(model, dataclasses.replace(CFG, num_speculative_tokens=-1))
+
+
+def _without_head(model):
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    clone = nnx.merge(graphdef, state)
+    clone.mtp = None
+    return clone

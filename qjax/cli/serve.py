@@ -112,7 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seeds the random seeds of requests that send none")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    p.add_argument("--speculative-config", default=None, help="not implemented yet (refused)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='MTP speculative decoding with the checkpoint\'s own head, as vLLM: '
+                        '\'{"method": "mtp", "num_speculative_tokens": 3}\'')
     p.add_argument("--no-warmup", action="store_true", help="compile the engine's programs on first use")
     add_verify_argument(p)
     for flag, why in IGNORED_FLAGS.items():
@@ -194,7 +196,7 @@ def memory_limit(utilization: float) -> tuple[int, str]:
 
 
 def plan_memory(model, *, max_num_seqs: int | None, max_model_len: int, max_num_batched_tokens: int,
-                utilization: float, on_cpu: bool) -> tuple[int, list[str]]:
+                utilization: float, on_cpu: bool, num_speculative_tokens: int = 0) -> tuple[int, list[str]]:
     """The number of sequence slots and the plan's lines; raises :class:`ServeError` when it does not fit."""
     from qjax.model.sharding import device_bytes
     from qjax.serving.engine import Engine
@@ -202,7 +204,7 @@ def plan_memory(model, *, max_num_seqs: int | None, max_model_len: int, max_num_
     per_dev = device_bytes(model)
     weights = max(per_dev.values())
     devices = len(per_dev)
-    per_seq = Engine.cache_bytes(model, 1, max_model_len)
+    per_seq = Engine.cache_bytes(model, 1, max_model_len, num_speculative_tokens)
     shards = 1 if model.mesh_plan is None else model.mesh_plan.size("data") * (
         model.mesh_plan.size("tensor") if model.mesh_plan.kv_split else 1)
     seq_bytes = (per_seq["kv"] + per_seq["state"]) / shards
@@ -226,7 +228,8 @@ def plan_memory(model, *, max_num_seqs: int | None, max_model_len: int, max_num_
              f"  K/V per sequence       {_gib(per_seq['kv'] / shards)}  "
              f"({sum(k == 'full_attention' for k in cfg.layer_types)} full-attention layers × {max_model_len} slots)",
              f"  GDN state per sequence {_gib(per_seq['state'] / shards)}  "
-             f"({sum(k != 'full_attention' for k in cfg.layer_types)} layers: conv window + fp32 recurrent state)",
+             f"({sum(k != 'full_attention' for k in cfg.layer_types)} layers: conv window + fp32 recurrent state"
+             + (f"; × {num_speculative_tokens + 2} with MTP speculation" if num_speculative_tokens else "") + ")",
              f"  {max_num_seqs} sequences           {_gib(max_num_seqs * seq_bytes)}",
              f"  activations (estimate) {_gib(act)}",
              f"  total                  {_gib(weights + act + max_num_seqs * seq_bytes)}"]
@@ -238,6 +241,36 @@ def plan_memory(model, *, max_num_seqs: int | None, max_model_len: int, max_num_
                          f"{_gib(limit)} limit ({where}): at most {max(fit, 0)} sequence(s) fit — lower "
                          "--max-num-seqs or --max-model-len")
     return max_num_seqs, lines
+
+
+# vLLM's method names for a checkpoint's own MTP head (Qwen3-Next's recipes spell it qwen3_next_mtp)
+MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+
+
+def speculative_tokens(text: str | None) -> int:
+    """``--speculative-config`` → drafts per verify round (0: none); a config qjax cannot serve is a
+    :class:`ServeError` naming the field."""
+    if text is None:
+        return 0
+    import json
+
+    try:
+        conf = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ServeError(f"--speculative-config: not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    if not isinstance(conf, dict):
+        raise ServeError(f"--speculative-config: a JSON object is expected, got {text!r}")
+    unknown = sorted(set(conf) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ServeError(f"--speculative-config: field {unknown[0]!r} is not supported (qjax drafts with the "
+                         "checkpoint's own MTP head: only method and num_speculative_tokens)")
+    if conf.get("method") not in MTP_METHODS:
+        raise ServeError(f"--speculative-config: method must be one of {', '.join(MTP_METHODS)}, got "
+                         f"{conf.get('method')!r}")
+    k = conf.get("num_speculative_tokens", 1)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+        raise ServeError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+    return k
 
 
 def run_serve(a: argparse.Namespace) -> int:
@@ -252,8 +285,7 @@ def _serve(a: argparse.Namespace) -> int:
     for flag in IGNORED_FLAGS:
         if getattr(a, flag.lstrip("-").replace("-", "_"), None) not in (None, False):
             _note(f"{flag}: ignored ({IGNORED_FLAGS[flag]})")
-    if a.speculative_config is not None:
-        raise ServeError("--speculative-config: speculative decoding is not implemented in qjax serve yet")
+    spec_tokens = speculative_tokens(a.speculative_config)
     if a.model_tag and a.model and a.model_tag != a.model:
         raise ServeError(f"two models given: {a.model_tag!r} and --model {a.model!r}")
     name = a.model_tag or a.model
@@ -318,8 +350,12 @@ def _serve(a: argparse.Namespace) -> int:
                          f"{cfg.max_position_embeddings} ({folder}/config.json)")
     seqs, lines = plan_memory(model, max_num_seqs=a.max_num_seqs, max_model_len=max_len,
                               max_num_batched_tokens=a.max_num_batched_tokens,
-                              utilization=a.gpu_memory_utilization, on_cpu=on_cpu)
+                              utilization=a.gpu_memory_utilization, on_cpu=on_cpu,
+                              num_speculative_tokens=spec_tokens)
     print("qjax serve: " + "\n".join(lines), file=sys.stderr, flush=True)
+    if spec_tokens and model.mtp is None:
+        raise ServeError(f"--speculative-config: method mtp drafts with the checkpoint's MTP head, but {folder} has "
+                         "no mtp.* weights")
 
     if a.generation_config == "vllm":
         gc = None
@@ -334,7 +370,8 @@ def _serve(a: argparse.Namespace) -> int:
     metrics = ServerMetrics(served[0])
     engine = Engine(model, EngineConfig(max_num_seqs=seqs, max_model_len=max_len,
                                         max_num_batched_tokens=a.max_num_batched_tokens,
-                                        decode_steps=a.num_scheduler_steps, max_logprobs=a.max_logprobs),
+                                        decode_steps=a.num_scheduler_steps, max_logprobs=a.max_logprobs,
+                                        num_speculative_tokens=spec_tokens),
                     eos_token_ids=eos, metrics=metrics, seed=a.seed)
     if not a.no_warmup:
         n = engine.warmup()

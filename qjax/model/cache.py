@@ -94,13 +94,14 @@ class Cache:
                      key_valid=put(self.key_valid, part.key_valid, 0), positions=put(self.positions, part.positions, 0),
                      lengths=put(self.lengths, part.lengths, 0))
 
-    def accept(self, consumed: jnp.ndarray) -> "Cache":
+    def accept(self, consumed: jnp.ndarray, active: jnp.ndarray | None = None) -> "Cache":
         """After a verify call of n tokens (``forward(keep_steps=True)``): keep only the first ``consumed[b]`` (1..n)
         of them in row b — its GDN conv window and recurrent state become those after its last kept token (read
         from ``GDNState.steps``), its length and position step back, and the K/V slots of the dropped tokens stop
         being valid keys (the next call overwrites them anyway).
 
-        ``consumed``: ``[B]`` int32. Every row must have taken the whole verify call (no padding in it)."""
+        ``consumed``: ``[B]`` int32. ``active``: ``[B]`` bool, the rows that took the whole call (None: all); the
+        others were masked out of it entirely and keep the cache as the call left it (unchanged)."""
         slots, n = [], None
         for s in self.slots:
             if isinstance(s, KVState):
@@ -114,11 +115,14 @@ class Cache:
             k1 = s.conv.shape[2]
             at = consumed[:, None] + jnp.arange(k1)[None, :]  # [B, K-1]: the window ends after the last kept input
             conv = jnp.take_along_axis(s.conv_steps, at[None, :, :, None], axis=2)
+            if active is not None:
+                recurrent = jnp.where(active[None, :, None, None, None], recurrent, s.recurrent)
+                conv = jnp.where(active[None, :, None, None], conv, s.conv)
             slots.append(s.replace(conv=conv, recurrent=recurrent))
-        lengths = self.lengths - n + consumed
+        dropped = n - consumed if active is None else jnp.where(active, n - consumed, 0)
+        lengths = self.lengths - dropped
         key_valid = self.key_valid & (jnp.arange(self.max_len)[None, :] < lengths[:, None])
-        return Cache(slots=tuple(slots), key_valid=key_valid, positions=self.positions - n + consumed,
-                     lengths=lengths)
+        return Cache(slots=tuple(slots), key_valid=key_valid, positions=self.positions - dropped, lengths=lengths)
 
     def reset_rows(self, rows: jnp.ndarray) -> "Cache":
         """The cache with rows ``rows [n]`` emptied (no valid key, length and position 0, zero GDN states): a new

@@ -523,19 +523,23 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         return Cache(slots=(kv,), key_valid=jnp.zeros((batch, max_len), bool), positions=jnp.zeros((batch,), jnp.int32),
                      lengths=jnp.zeros((batch,), jnp.int32))
 
-    def mtp_forward(self, next_ids, hidden, cache: Cache, *, attention_mask=None, position_ids=None):
+    def mtp_forward(self, next_ids, hidden, cache: Cache, *, attention_mask=None, position_ids=None, cache_rows=None,
+                    kv_len: int | None = None, logits: bool = True):
         """The MTP head on top of its cache (:meth:`init_mtp_cache`): for each position t, ``next_ids[:, t]`` is the
         token at t+1 and ``hidden[:, t]`` the main model's post-final-norm hidden at t (or, chained, the head's own
         previous output); the head's attention runs at ``position_ids`` (the positions of the tokens at t+1).
+        ``cache_rows``, ``kv_len``: as :meth:`forward`'s. ``logits=False`` skips the lm_head (callers that need the
+        logits of a few positions only make them from the returned hidden).
 
         Returns:
-          (logits of the token at t+2 ``[B, T, V]``, the head's output hidden ``[B, T, H]``, the updated cache).
+          (logits of the token at t+2 ``[B, T, V]`` or None, the head's output hidden ``[B, T, H]``, the updated
+          cache).
         """
         if self.mtp is None:
             raise ValueError("this model has no MTP head (the checkpoint has no mtp.* weights)")
-        ctx, m = self.step_context(next_ids, attention_mask, position_ids, cache)
+        ctx, m = self.step_context(next_ids, attention_mask, position_ids, cache, cache_rows, kv_len)
         y, kv = self.mtp(self.embed(next_ids), hidden, ctx, cache.slots[0])
-        return self.logits_from_hidden(y), y, _advanced(cache, (kv,), ctx, m)
+        return (self.logits_from_hidden(y) if logits else None), y, _advanced(cache, (kv,), ctx, m, cache_rows)
 
     def mtp_logits(self, input_ids, hidden: jnp.ndarray | None = None) -> jnp.ndarray:
         """Next-next-token logits from the MTP head, ``[B, T-1, V]``: row t predicts token t+2 from (h_t, token t+1).

@@ -52,6 +52,13 @@ class SpeculativeStats:
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.num_speculative_tokens
 
+    def record(self, consumed: int) -> None:
+        """One row's verify round that consumed ``consumed`` tokens (its accepted drafts + 1)."""
+        self.row_rounds += 1
+        self.emitted += consumed
+        for j in range(consumed - 1):
+            self.accepted_at[j] += 1
+
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per verify call and row (1 … k + 1; 1 = no draft ever accepted)."""
@@ -68,19 +75,32 @@ class SpeculativeStats:
                 "acceptance_per_position": self.acceptance_per_position}
 
 
-def _chain(model, logits, y, cache: Cache, position, k: int):
+def _chain(model, logits, y, cache: Cache, position, k: int, rows=None, kv_len: int | None = None):
     """Greedy drafts ``[B, k]``: the first from ``logits [B, V]`` (the head's output at the row's last consumed
     position, hidden ``y [B, 1, H]``), each next one from the head run on (its previous output, its previous draft)
     at the next position. The chained K/V entries are written ahead of the cache's length and left invalid: the
-    next round rewrites those slots from the main model's true hidden states before any query reads them."""
+    next round rewrites those slots from the main model's true hidden states before any query reads them.
+    ``rows``, ``kv_len``: the cache rows the batch is (:meth:`Qwen3_5MoeForCausalLM.forward`'s ``cache_rows``)."""
     drafts = [jnp.argmax(logits, axis=-1).astype(jnp.int32)]
     work = cache
     for j in range(1, k):
-        step_logits, y, work = model.mtp_forward(drafts[-1][:, None], y, work,
-                                                 position_ids=(position + j)[:, None])
+        step_logits, y, work = model.mtp_forward(drafts[-1][:, None], y, work, position_ids=(position + j)[:, None],
+                                                 cache_rows=rows, kv_len=kv_len)
         drafts.append(jnp.argmax(step_logits[:, 0], axis=-1).astype(jnp.int32))
     kept = Cache(slots=work.slots, key_valid=cache.key_valid, positions=cache.positions, lengths=cache.lengths)
     return jnp.stack(drafts, axis=1), kept
+
+
+def propose(model, tokens, hidden, cache: Cache, mask, positions, at, k: int, rows=None, kv_len: int | None = None):
+    """Step 3 of a round (module docstring) for a prompt chunk or a verify call: the head over ``tokens [B, T]``
+    (the token after each position of ``hidden [B, T, H]``, the main model's) at ``positions [B, T]`` (those tokens'
+    positions) where ``mask [B, T]``, then k drafts chained from position ``at [B]`` (each row's last real one).
+    Returns (drafts ``[B, k]``, the head's cache)."""
+    _, y, cache = model.mtp_forward(tokens, hidden, cache, attention_mask=mask, position_ids=positions,
+                                    cache_rows=rows, kv_len=kv_len, logits=False)
+    b = jnp.arange(tokens.shape[0])
+    last = y[b, at][:, None]  # [B, 1, H]: only these positions need logits
+    return _chain(model, model.logits_from_hidden(last)[:, 0], last, cache, positions[b, at], k, rows, kv_len)
 
 
 def accept(logits: jnp.ndarray, drafts: jnp.ndarray, keys: jax.Array, sampling: SamplingArrays
@@ -130,9 +150,8 @@ def prefill(graphdef, state, cache: Cache, mtp_cache: Cache, ids, mask, keys, sa
     # the head at position t reads (h_t, token t+1) and attends at token t+1's position
     positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0) + 1
     next_ids = jnp.concatenate([ids[:, 1:], first[:, None]], axis=1)
-    logits, y, mtp_cache = model.mtp_forward(next_ids, out.hidden, mtp_cache, attention_mask=mask,
-                                             position_ids=positions)
-    drafts, mtp_cache = _chain(model, logits[:, -1], y[:, -1:], mtp_cache, positions[:, -1], k)
+    last = jnp.full((ids.shape[0],), ids.shape[1] - 1, jnp.int32)
+    drafts, mtp_cache = propose(model, next_ids, out.hidden, mtp_cache, mask, positions, last, k)
     return first, drafts, out.cache, mtp_cache, keys
 
 
@@ -149,11 +168,8 @@ def verify_round(graphdef, state, cache: Cache, mtp_cache: Cache, last, drafts, 
     tokens, consumed = accept(out.logits, drafts, sub, sampling)
     cache = out.cache.accept(consumed)
     steps = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    logits, y, mtp_cache = model.mtp_forward(tokens, out.hidden, mtp_cache, attention_mask=steps < consumed[:, None],
-                                             position_ids=start[:, None] + steps + 1)
-    rows = jnp.arange(tokens.shape[0])
-    at = consumed - 1
-    next_drafts, mtp_cache = _chain(model, logits[rows, at], y[rows, at][:, None], mtp_cache, start + consumed, k)
+    next_drafts, mtp_cache = propose(model, tokens, out.hidden, mtp_cache, steps < consumed[:, None],
+                                     start[:, None] + steps + 1, consumed - 1, k)
     return tokens, consumed, next_drafts, cache, mtp_cache, keys
 
 
@@ -199,10 +215,7 @@ def rounds(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...
             if done[r]:
                 continue
             n = int(n_np[r])
-            stats.row_rounds += 1
-            stats.emitted += n
-            for j in range(n - 1):
-                stats.accepted_at[j] += 1
+            stats.record(n)
             for tok in g_np[r, :n]:
                 new[r].append(int(tok))
                 count[r] += 1

@@ -18,6 +18,12 @@ own thread) and issues at most two device programs, both compiled for a few buck
   the lowest slots, swapping rows when one finishes out of order) and only the first ``kv_len`` cache slots (a
   bucket ≥ the longest row); rows in the bucket that are not decoding are masked out.
 
+With MTP speculation (``EngineConfig.num_speculative_tokens`` = k > 0, vLLM's ``--speculative-config``), the pool also
+holds the MTP head's K/V cache and each row's k drafts; prefill runs the head over every prompt chunk (its cache
+then covers the prompt) and drafts after the last one; decode is one verify round per call
+(:mod:`qjax.runtime.speculative`): each running row emits 1 … k + 1 tokens, by its own acceptance, and the next
+drafts. Greedy rows emit exactly what they emit without speculation; sampled rows draw from the same distribution.
+
 A request alone and a request in any batch run the same arithmetic on their own row: float32 greedy tokens equal
 ``qjax.generate``'s for that prompt, and a seeded request draws with ``jax.random.key(seed)`` split once per token,
 as ``qjax.generate`` does, so sampled tokens equal too (tests/test_serving_engine.py).
@@ -44,6 +50,7 @@ from flax import nnx, struct
 
 from qjax.model.cache import Cache, gather_rows, scatter_rows
 from qjax.runtime.sampling import SamplingArrays, sample, split_keys, token_logprobs
+from qjax.runtime.speculative import SpeculativeStats, accept, propose
 
 logger = logging.getLogger("qjax.serving")
 
@@ -69,12 +76,23 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # prompt tokens prefilled per step, over all sequences
     decode_steps: int = 8  # tokens decoded per device call while no request waits to be prefilled
     max_logprobs: int = 20  # the most top log-probabilities a request may ask for
+    num_speculative_tokens: int = 0  # MTP drafts per verify call (vLLM's --speculative-config); 0: no speculation
+
+    @property
+    def slots_per_row(self) -> int:
+        """Cache slots per row: ``max_model_len``, plus room for what a verify round writes past a row's length
+        (its k + 1 tokens, then the head's k − 1 chained drafts past the accepted ones)."""
+        k = self.num_speculative_tokens
+        return self.max_model_len + (2 * k if k else 0)
 
     def check(self, max_position_embeddings: int, data_parallel: int = 1) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "decode_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise EngineError(f"{name} must be a positive integer, got {v!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or k < 0:
+            raise EngineError(f"num_speculative_tokens must be a non-negative integer, got {k!r}")
         if self.max_model_len > max_position_embeddings:
             raise EngineError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                               f"{max_position_embeddings}")
@@ -150,8 +168,25 @@ class Pool:
 
     cache: Cache
     tokens: jnp.ndarray  # [B] int32: the row's last token (the next decode input)
-    keys: jnp.ndarray  # [B, 2] uint32: the row's PRNG key data (split once per drawn token)
+    keys: jnp.ndarray  # [B, 2] uint32: the row's PRNG key data (split once per drawn token, or per verify round)
     sampling: SamplingArrays  # [B]
+    mtp_cache: Cache | None = None  # with speculation: the MTP head's K/V, slots aligned with ``cache``'s
+    drafts: jnp.ndarray | None = None  # with speculation: [B, k] int32, the row's drafts for its next verify round
+
+    def prefix(self, n: int) -> "Pool":
+        """The first ``n`` rows (a copy the decode steps run on as a whole batch)."""
+        return Pool(cache=self.cache.prefix(n), tokens=self.tokens[:n], keys=self.keys[:n],
+                    sampling=_row_fields(self.sampling, n),
+                    mtp_cache=None if self.mtp_cache is None else self.mtp_cache.prefix(n),
+                    drafts=None if self.drafts is None else self.drafts[:n])
+
+    def with_prefix(self, part: "Pool") -> "Pool":
+        """This pool with its first rows replaced by ``part`` (sampling settings do not change in a decode)."""
+        put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, 0)  # noqa: E731
+        return Pool(cache=self.cache.with_prefix(part.cache), tokens=put(self.tokens, part.tokens),
+                    keys=put(self.keys, part.keys), sampling=self.sampling,
+                    mtp_cache=None if self.mtp_cache is None else self.mtp_cache.with_prefix(part.mtp_cache),
+                    drafts=None if self.drafts is None else put(self.drafts, part.drafts))
 
 
 def _row_fields(x: SamplingArrays, rows) -> SamplingArrays:
@@ -161,10 +196,12 @@ def _row_fields(x: SamplingArrays, rows) -> SamplingArrays:
 class _Programs:
     """The engine's jitted programs, closed over the model's graph (only arrays are passed per call)."""
 
-    def __init__(self, model, compiled: Callable[[tuple], None]):
+    def __init__(self, model, compiled: Callable[[tuple], None], k: int = 0):
+        """``k``: MTP drafts per verify round (0: plain decoding)."""
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
         self.leaves = leaves
+        self.k = k
         self._note = compiled
 
         def merged(leaves):
@@ -173,8 +210,10 @@ class _Programs:
         def prefill(leaves, pool: Pool, rows, ids, n, reset, final, key_data, sampling: SamplingArrays, targets,
                     *, kv_len: int, top_k: int | None, prompt_top_k: int | None):
             model = merged(leaves)
-            cache = pool.cache.reset_rows(jnp.where(reset, rows, pool.cache.batch_size))
+            new_rows = jnp.where(reset, rows, pool.cache.batch_size)
+            cache = pool.cache.reset_rows(new_rows)
             mask = jnp.arange(ids.shape[1])[None, :] < n[:, None]
+            start = gather_rows(cache.positions, rows)  # [P] the chunk's first position
             out = model.forward(ids, attention_mask=mask, cache=cache, cache_rows=rows, kv_len=kv_len, last_only=True)
             last = jnp.take_along_axis(out.hidden, jnp.maximum(n - 1, 0)[:, None, None], axis=1)  # [P, 1, H]
             logits = model.logits_from_hidden(last)[:, 0]
@@ -184,9 +223,21 @@ class _Programs:
             lp = token_logprobs(logits, tok, top_k) if top_k is not None else _no_logprobs(tok)
             keep = jnp.where(final[:, None], jax.random.key_data(keep), keys)
             old = gather_rows(pool.tokens, rows)
+            mtp_cache, drafts = pool.mtp_cache, pool.drafts
+            if k:
+                # the head over the chunk: position t reads the token after it — the next prompt token, or the first
+                # drawn one at a prompt's last position — so its cache covers the whole prompt; drafts after that
+                last = jnp.maximum(n - 1, 0)
+                at_last = jnp.arange(ids.shape[1])[None, :] == last[:, None]
+                nxt = jnp.where(at_last & final[:, None], tok[:, None], targets)
+                positions = start[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :] + 1
+                new, mtp_cache = propose(model, nxt, out.hidden, mtp_cache.reset_rows(new_rows), mask, positions,
+                                         last, k, rows=rows, kv_len=kv_len)
+                drafts = scatter_rows(drafts, rows, jnp.where(final[:, None], new, gather_rows(drafts, rows)))
             pool = Pool(cache=out.cache, tokens=scatter_rows(pool.tokens, rows, jnp.where(final, tok, old)),
                         keys=scatter_rows(pool.keys, rows, keep),
-                        sampling=jax.tree.map(lambda a, v: scatter_rows(a, rows, v), pool.sampling, sampling))
+                        sampling=jax.tree.map(lambda a, v: scatter_rows(a, rows, v), pool.sampling, sampling),
+                        mtp_cache=mtp_cache, drafts=drafts)
             prompt = None
             if prompt_top_k is not None:
                 prompt = _prompt_logprobs(model, out.hidden, targets, prompt_top_k)
@@ -201,8 +252,7 @@ class _Programs:
                 # at its end, and the steps run on that small pool as a whole batch. Reading and writing a prefix of
                 # the big pool inside every step made XLA copy each GDN state stack per layer per step (one
                 # sequence in a 32-slot pool decoded at 0.56× the speed of a 1-slot pool)
-                pool = Pool(cache=pool.cache.prefix(rows), tokens=pool.tokens[:rows], keys=pool.keys[:rows],
-                            sampling=_row_fields(pool.sampling, rows))
+                pool = pool.prefix(rows)
             sampling = pool.sampling
 
             def body(i, carry):
@@ -225,10 +275,36 @@ class _Programs:
                    jnp.zeros((max_steps, b, k), jnp.int32), jnp.zeros((max_steps, b, k), jnp.float32))
             pool, out = jax.lax.fori_loop(0, steps, body, (pool, out))
             if rows is not None:
-                put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, 0)  # noqa: E731
-                pool = Pool(cache=whole.cache.with_prefix(pool.cache), tokens=put(whole.tokens, pool.tokens),
-                            keys=put(whole.keys, pool.keys), sampling=whole.sampling)
+                pool = whole.with_prefix(pool)
             return pool, out
+
+        def verify(leaves, pool: Pool, active, *, rows: int | None, kv_len: int, top_k: int | None):
+            """One verify round for the running rows (``active [b]``, the first ``b`` or all rows): (pool, tokens
+            ``[b, k + 1]`` of which row i emitted the first ``consumed[i]``, consumed ``[b]``, their logprobs)."""
+            model = merged(leaves)
+            whole = pool
+            if rows is not None:
+                pool = pool.prefix(rows)  # as in decode
+            last, drafts = pool.tokens, pool.drafts
+            start = pool.cache.positions  # [b] each row's position of `last`
+            ids = jnp.concatenate([last[:, None], drafts], axis=1)
+            mask = jnp.broadcast_to(active[:, None], ids.shape)
+            out = model.forward(ids, attention_mask=mask, cache=pool.cache, kv_len=kv_len, keep_steps=True)
+            keep, sub = split_keys(jax.random.wrap_key_data(pool.keys))
+            tokens, consumed = accept(out.logits, drafts, sub, pool.sampling)
+            cache = out.cache.accept(consumed, active)
+            lp = token_logprobs(out.logits, tokens, top_k) if top_k is not None else _no_logprobs(tokens)
+            steps = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+            new, mtp_cache = propose(model, tokens, out.hidden, pool.mtp_cache, mask & (steps < consumed[:, None]),
+                                     start[:, None] + steps + 1, consumed - 1, k, kv_len=kv_len)
+            emitted = jnp.take_along_axis(tokens, (consumed - 1)[:, None], axis=1)[:, 0]
+            pool = Pool(cache=cache, tokens=jnp.where(active, emitted, last),
+                        keys=jnp.where(active[:, None], jax.random.key_data(keep), pool.keys), sampling=pool.sampling,
+                        mtp_cache=mtp_cache, drafts=jnp.where(active[:, None], new, drafts))
+            if rows is not None:
+                pool = whole.with_prefix(pool)
+            lp = tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in lp)
+            return pool, tokens, consumed, lp
 
         def swap(pool: Pool, a, b):
             """Exchange rows a and b of every per-row array of the pool (its cache rows included)."""
@@ -237,16 +313,21 @@ class _Programs:
                 x = jax.lax.dynamic_update_index_in_dim(x, rb, a, axis)
                 return jax.lax.dynamic_update_index_in_dim(x, ra, b, axis)
 
-            cache = pool.cache
-            slots = jax.tree.map(lambda x: one(x, 1), cache.slots)  # [G, B, …]
-            rest = jax.tree.map(lambda x: one(x, 0), (cache.key_valid, cache.positions, cache.lengths, pool.tokens,
-                                                        pool.keys, pool.sampling))
-            key_valid, positions, lengths, tokens, keys, sampling = rest
-            return Pool(cache=Cache(slots=slots, key_valid=key_valid, positions=positions, lengths=lengths),
-                        tokens=tokens, keys=keys, sampling=sampling)
+            def cache_rows(cache):
+                if cache is None:
+                    return None
+                slots = jax.tree.map(lambda x: one(x, 1), cache.slots)  # [G, B, …]
+                key_valid, positions, lengths = (one(x, 0) for x in (cache.key_valid, cache.positions, cache.lengths))
+                return Cache(slots=slots, key_valid=key_valid, positions=positions, lengths=lengths)
+
+            tokens, keys, sampling, drafts = jax.tree.map(lambda x: one(x, 0), (pool.tokens, pool.keys, pool.sampling,
+                                                                                 pool.drafts))
+            return Pool(cache=cache_rows(pool.cache), tokens=tokens, keys=keys, sampling=sampling,
+                        mtp_cache=cache_rows(pool.mtp_cache), drafts=drafts)
 
         self._prefill = jax.jit(prefill, donate_argnums=(1,), static_argnames=("kv_len", "top_k", "prompt_top_k"))
         self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("rows", "kv_len", "max_steps", "top_k"))
+        self._verify = jax.jit(verify, donate_argnums=(1,), static_argnames=("rows", "kv_len", "top_k"))
         self._swap = jax.jit(swap, donate_argnums=(0,))
 
     def prefill(self, pool, *args, kv_len, top_k, prompt_top_k):
@@ -257,6 +338,10 @@ class _Programs:
         self._note(("decode", rows, kv_len, max_steps, top_k))
         return self._decode(self.leaves, pool, active, steps, rows=rows, kv_len=kv_len, max_steps=max_steps,
                             top_k=top_k)
+
+    def verify(self, pool, active, *, rows, kv_len, top_k):
+        self._note(("verify", rows, kv_len, top_k))
+        return self._verify(self.leaves, pool, active, rows=rows, kv_len=kv_len, top_k=top_k)
 
     def swap(self, pool, a: int, b: int):
         self._note(("swap",))
@@ -333,6 +418,8 @@ class EngineMetricsSink:
     def first_token(self, seconds: float) -> None: ...
     def inter_token(self, seconds: float, n: int) -> None: ...
     def finished(self, reason: str, seconds: float) -> None: ...
+    def speculated(self, drafts: int, accepted: int) -> None:
+        """One row's verify round: ``drafts`` drafts checked, the first ``accepted`` of them accepted."""
 
 
 class Engine:
@@ -351,7 +438,15 @@ class Engine:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.metrics = metrics or EngineMetricsSink()
         self.compiled: set[tuple] = set()  # the program signatures dispatched so far (each compiles once)
-        self._programs = _Programs(model, self.compiled.add)
+        self.k = config.num_speculative_tokens
+        if self.k and getattr(model, "mtp", None) is None:
+            raise EngineError("speculative decoding (method mtp) needs the checkpoint's MTP head, but this model has "
+                              "no mtp.* weights")
+        if self.k and model.mesh_plan is not None:
+            raise EngineError("speculative decoding runs on one device; serve without a mesh or without it")
+        self._programs = _Programs(model, self.compiled.add, self.k)
+        # what speculation did since the engine started (every row's verify rounds); None without it
+        self.speculation = SpeculativeStats(num_speculative_tokens=self.k) if self.k else None
         b = config.max_num_seqs
         self.pool = self._new_pool()
         self._slots: list[_Seq | None] = [None] * b
@@ -367,17 +462,24 @@ class Engine:
 
     # -- memory ---------------------------------------------------------------------------------------------------
     def _new_pool(self) -> Pool:
-        b, s = self.config.max_num_seqs, self.config.max_model_len
+        b, s, k = self.config.max_num_seqs, self.config.slots_per_row, self.k
+        if k:
+            return Pool(cache=self.model.init_cache(b, s, spec_tokens=k + 1), tokens=jnp.zeros((b,), jnp.int32),
+                        keys=jnp.zeros((b, 2), jnp.uint32), sampling=SamplingArrays.zeros(b),
+                        mtp_cache=self.model.init_mtp_cache(b, s), drafts=jnp.zeros((b, k), jnp.int32))
         cache = self.model.init_cache(b, s)
         rep = (lambda x: x) if self.model.mesh_plan is None else self.model.mesh_plan.batch
         return Pool(cache=cache, tokens=rep(jnp.zeros((b,), jnp.int32)), keys=rep(jnp.zeros((b, 2), jnp.uint32)),
                     sampling=jax.tree.map(rep, SamplingArrays.zeros(b)))
 
     @staticmethod
-    def cache_bytes(model, max_num_seqs: int, max_model_len: int) -> dict[str, int]:
-        """Bytes of the slot pool, from the cache's own layout: ``kv`` (full-attention K/V) and ``state`` (GDN conv
-        windows + recurrent states) per sequence, and ``total`` for the pool."""
-        one = jax.eval_shape(lambda: model.init_cache(1, max_model_len))
+    def cache_bytes(model, max_num_seqs: int, max_model_len: int, num_speculative_tokens: int = 0) -> dict[str, int]:
+        """Bytes of the slot pool, from the cache's own layout: ``kv`` (full-attention K/V, and the MTP head's with
+        speculation) and ``state`` (GDN conv windows + recurrent states, and their per-token copies of a verify
+        round with speculation) per sequence, and ``total`` for the pool."""
+        k = num_speculative_tokens
+        slots = EngineConfig(max_model_len=max_model_len, num_speculative_tokens=k).slots_per_row
+        one = jax.eval_shape(lambda: model.init_cache(1, slots, spec_tokens=k + 1 if k else 0))
         kv = state = 0
         for slot in one.slots:
             n = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slot))
@@ -385,6 +487,9 @@ class Engine:
                 kv += n
             else:
                 state += n
+        if k:
+            kv += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+                lambda: model.init_mtp_cache(1, slots).slots)))
         return {"kv": kv, "state": state, "total": (kv + state) * max_num_seqs}
 
     def warmup(self) -> int:
@@ -396,6 +501,10 @@ class Engine:
         kv = self._kv_bucket(1)
         sizes = sorted({min(self._round_rows(bucket(n, 1, b)), b) for n in range(1, b + 1)})
         for size in sizes:
+            if self.k:
+                self.pool, *_ = self._programs.verify(self.pool, jnp.zeros((size,), bool),
+                                                      rows=None if size >= b else size, kv_len=kv, top_k=None)
+                continue
             self.pool, _ = self._programs.decode(self.pool, jnp.zeros((size,), bool), jnp.asarray(1, jnp.int32),
                                                  rows=None if size >= b else size, kv_len=kv,
                                                  max_steps=self.config.decode_steps, top_k=None)
@@ -588,7 +697,8 @@ class Engine:
         return 1 << (fit.bit_length() - 1)
 
     def _kv_bucket(self, n: int) -> int:
-        return bucket(n, min(MIN_KV_BUCKET, self.config.max_model_len), self.config.max_model_len)
+        cap = self.config.slots_per_row
+        return bucket(n, min(MIN_KV_BUCKET, cap), cap)
 
     def _prefill(self) -> bool:
         todo = sorted(self._prefilling(), key=lambda s: s.arrival)
@@ -686,6 +796,9 @@ class Engine:
         size = min(self._round_rows(bucket(len(running), 1, b)), b)
         active = np.zeros(size, bool)
         active[[s.slot for s in running]] = True  # rows past the running ones (free or prefilling) are masked out
+        if self.k:
+            self._verify(running, size, active)
+            return
         # no row gets more tokens than it may still produce, so none writes past its cache row
         steps = max(1, min(max_steps, *(s.params.max_tokens - len(s.output) for s in running)))
         longest = max(len(s.prompt) + len(s.output) for s in running) + steps
@@ -701,6 +814,25 @@ class Engine:
             lp = [_logprob(toks[j, i], lps[j, i], top_ids[j, i], top_lps[j, i], seq.params.logprobs)
                   for j in range(steps)]
             self._accept(seq, [int(t) for t in toks[:steps, i]], lp)
+
+    def _verify(self, running: list[_Seq], size: int, active: np.ndarray) -> None:
+        """One verify round (module docstring) for the running sequences, the first ``size`` rows."""
+        b, k = self.config.max_num_seqs, self.k
+        # a round writes k + 1 slots past a row's length and the head k − 1 more (EngineConfig.slots_per_row)
+        longest = max(len(s.prompt) + len(s.output) for s in running) + 2 * k
+        want = any(s.params.logprobs is not None for s in running)
+        self.pool, toks, consumed, (lps, top_ids, top_lps) = self._programs.verify(
+            self.pool, jnp.asarray(active), rows=None if size >= b else size, kv_len=self._kv_bucket(longest),
+            top_k=self.config.max_logprobs if want else None)
+        toks, consumed, lps, top_ids, top_lps = (np.asarray(x) for x in (toks, consumed, lps, top_ids, top_lps))
+        self.speculation.rounds += 1
+        for seq in running:
+            i, n = seq.slot, int(consumed[seq.slot])
+            self.speculation.record(n)
+            self.metrics.speculated(k, n - 1)
+            lp = [_logprob(toks[i, j], lps[i, j], top_ids[i, j], top_lps[i, j], seq.params.logprobs)
+                  for j in range(n)]
+            self._accept(seq, [int(t) for t in toks[i, :n]], lp)
 
     def _accept(self, seq: _Seq, tokens: list[int], logprobs: list) -> None:
         """Append decoded tokens up to the first stop token or the length limit and emit them (finished when

@@ -34,6 +34,17 @@ class ServerMetrics(EngineMetricsSink):
                               buckets=_LATENCY_BUCKETS, registry=r)
         self._done = Counter("qjax:request_success", "Finished requests by finish reason.",
                              ["model_name", "finished_reason"], registry=r)
+        # speculative decoding, as vLLM counts it: mean accepted length = 1 + accepted / drafts rounds; acceptance at
+        # draft position j = accepted_per_pos{position=j} / drafts
+        self._spec_drafts = Counter("qjax:spec_decode_num_drafts", "Verify rounds of a sequence (one per row).",
+                                    labels, registry=r)
+        self._spec_draft_tokens = Counter("qjax:spec_decode_num_draft_tokens", "Draft tokens verified.", labels,
+                                          registry=r)
+        self._spec_accepted = Counter("qjax:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels,
+                                      registry=r)
+        self._spec_per_pos = Counter("qjax:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted at each draft position (0 = the first draft).",
+                                     ["model_name", "position"], registry=r)
         self._name = model_name
         self.queue(0, 0)
 
@@ -58,6 +69,13 @@ class ServerMetrics(EngineMetricsSink):
     def finished(self, reason: str, seconds: float) -> None:
         self._done.labels(self._name, reason).inc()
         self._e2e.labels(self._name).observe(seconds)
+
+    def speculated(self, drafts: int, accepted: int) -> None:
+        self._spec_drafts.labels(self._name).inc()
+        self._spec_draft_tokens.labels(self._name).inc(drafts)
+        self._spec_accepted.labels(self._name).inc(accepted)
+        for j in range(drafts):
+            self._spec_per_pos.labels(self._name, str(j)).inc(1 if j < accepted else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
