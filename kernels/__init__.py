@@ -16,9 +16,9 @@ from .dispatch import IMPLS, resolve, use
 from .moe_reference import routed_experts
 from .ops import gated_delta_step, matmul, moe_experts, qmatmul
 from .precision import accum_dtype, dot_precision, sigmoid, silu
-from .qmatmul_reference import dequantize, dequantize_experts, unpack_int
+from .qmatmul_reference import dequantize, dequantize_experts, matmul_accumulated, unpack_int
 from .quant_meta import QuantMeta, dense_meta
 
-__all__ = ["IMPLS", "QuantMeta", "accum_dtype", "dense_meta", "dequantize", "dequantize_experts", "dot_precision",
+__all__ = ["IMPLS", "QuantMeta", "accum_dtype", "dense_meta", "dequantize", "dequantize_experts", "dot_precision", "matmul_accumulated",
            "gated_delta_step", "matmul", "moe_experts", "qmatmul", "resolve", "routed_experts", "sigmoid", "silu",
            "unpack_int", "use"]

@@ -23,7 +23,8 @@ def matmul(x: jnp.ndarray, w: jnp.ndarray, *, impl: str | None = None, layer=Non
 
     ``layer``: ``w`` is a ``[L, N, K]`` layer stack and this is layer ``layer``. With the Pallas kernels, at most
     :data:`DENSE_IN_STACK_MAX_ROWS` rows and N, K on the kernel's blocks the layer is read inside the stack;
-    otherwise it is sliced out for XLA's dot.
+    otherwise it is sliced out for XLA's dot (which, up to :data:`.qmatmul_reference.FEW_ROWS` rows, reads it in
+    place: :func:`.qmatmul_reference.matmul_accumulated`).
     """
     which = resolve(impl, x.dtype)
     rows = math.prod(x.shape[:-1])

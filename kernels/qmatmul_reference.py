@@ -12,19 +12,63 @@ for a bf16 model with bf16 scales).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from .dispatch import resolve
 from .precision import accum_dtype, dot_precision
 from .quant_meta import QuantMeta
 
 
+# Row counts for which :func:`matmul_accumulated` runs one matrix-vector product per row: XLA:CPU turns 2 … 4 rows
+# into a GEMM path 13–25× slower than one row (measured, single thread: a [2, 256] × [31040, 256]ᵀ lm_head 23.5 ms vs
+# 1.0 ms for one row and 1.8 ms as two matrix-vector products; 8 rows: 8.4 ms vs 6.6 ms), so a speculative verify
+# call of k + 1 tokens cost 4–5 decode steps. Per row, the result is bit-identical to a one-row call. Only where the
+# reference runs on XLA:CPU: a GPU reads a weight once for all rows in one GEMM, and would read it once per row so.
+FEW_ROWS = 8
+
+
+def matmul_accumulated(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+    """``x [..., K] @ wᵀ`` for an unquantized ``w [N, K]`` → ``[..., N]`` in :func:`.precision.accum_dtype` (float32 /
+    float64 inputs at HIGHEST precision, so no TF32 / bf16 passes)."""
+    w = w.astype(x.dtype)
+    rows = math.prod(x.shape[:-1])
+    if 1 < rows <= FEW_ROWS and jax.default_backend() == "cpu" and resolve(None, x.dtype) == "reference":
+        return _per_row(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    return _gemm(x, w)
+
+
+def _gemm(x, w):
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=dot_precision(x.dtype),
+                               preferred_element_type=accum_dtype(x.dtype))
+
+
+@jax.custom_vjp
+def _per_row(x, w):
+    """``x [R, K] @ wᵀ`` as R matrix-vector products (:data:`FEW_ROWS`)."""
+    return jnp.stack([jax.lax.dot_general(w, x[i], (((1,), (0,)), ((), ())), precision=dot_precision(x.dtype),
+                                          preferred_element_type=accum_dtype(x.dtype)) for i in range(x.shape[0])])
+
+
+def _per_row_fwd(x, w):
+    return _per_row(x, w), (x, w)
+
+
+def _per_row_bwd(res, g):
+    # the GEMM's own gradient: per row, the weight's cotangent would be rounded to its dtype R times (bf16 training)
+    _, vjp = jax.vjp(_gemm, *res)
+    return vjp(g)
+
+
+_per_row.defvjp(_per_row_fwd, _per_row_bwd)
+
+
 def matmul(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
-    """``x [..., K] @ wᵀ`` for an unquantized ``w [N, K]`` → ``[..., N]`` in x's dtype (accumulated in
-    :func:`.precision.accum_dtype`; float32 / float64 inputs at HIGHEST precision, so no TF32 / bf16 passes)."""
-    y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
-                            precision=dot_precision(x.dtype), preferred_element_type=accum_dtype(x.dtype))
-    return y.astype(x.dtype)
+    """``x [..., K] @ wᵀ`` for an unquantized ``w [N, K]`` → ``[..., N]`` in x's dtype (:func:`matmul_accumulated`
+    rounded once)."""
+    return matmul_accumulated(x, w).astype(x.dtype)
 
 
 def unpack_int(packed: jnp.ndarray, bits: int, cols: int) -> jnp.ndarray:

@@ -315,7 +315,7 @@ def _serve(a: argparse.Namespace) -> int:
     from qjax.checkpoint.loading import with_fp8_kv_cache
     from qjax.model.config import GenerationConfig
     from qjax.serving.api import ServerState, create_app
-    from qjax.serving.engine import Engine, EngineConfig
+    from qjax.serving.engine import Engine, EngineConfig, EngineError
     from qjax.serving.metrics import ServerMetrics
     from qjax.serving.protocol import Defaults
     from qjax.tokenizer import Tokenizer
@@ -368,11 +368,14 @@ def _serve(a: argparse.Namespace) -> int:
     eos = tuple(dict.fromkeys([*cfg.eos_token_id, *(gc.eos_token_id if gc else ()), *tokenizer.stop_token_ids]))
     served = tuple(a.served_model_name or [name or "qjax-default"])
     metrics = ServerMetrics(served[0])
-    engine = Engine(model, EngineConfig(max_num_seqs=seqs, max_model_len=max_len,
-                                        max_num_batched_tokens=a.max_num_batched_tokens,
-                                        decode_steps=a.num_scheduler_steps, max_logprobs=a.max_logprobs,
-                                        num_speculative_tokens=spec_tokens),
-                    eos_token_ids=eos, metrics=metrics, seed=a.seed)
+    try:
+        engine = Engine(model, EngineConfig(max_num_seqs=seqs, max_model_len=max_len,
+                                            max_num_batched_tokens=a.max_num_batched_tokens,
+                                            decode_steps=a.num_scheduler_steps, max_logprobs=a.max_logprobs,
+                                            num_speculative_tokens=spec_tokens),
+                        eos_token_ids=eos, metrics=metrics, seed=a.seed)
+    except EngineError as e:  # a configuration the engine refuses (the message names the setting)
+        raise ServeError(str(e)) from None
     if not a.no_warmup:
         n = engine.warmup()
         print(f"qjax serve: compiled {n} engine programs", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.kernels import QuantMeta, accum_dtype, dequantize, dot_precision, matmul, qmatmul, silu
+from qjax.kernels import QuantMeta, accum_dtype, dequantize, matmul, matmul_accumulated, qmatmul, silu
 from qjax.model.quant_layers import init_packed, packed_arrays
 
 
@@ -63,8 +63,7 @@ class Linear(nnx.Module):
         model) — the same accumulation, without the rounding to x's dtype. A packed weight is dequantized first (the
         lm_head is read once per call either way)."""
         w = self.weight[...].astype(x.dtype) if self.meta is None else dequantize(*self.arrays(), self.meta, x.dtype)
-        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=dot_precision(x.dtype),
-                                   preferred_element_type=accum_dtype(x.dtype))
+        return matmul_accumulated(x, w)
 
 
 class RMSNorm(nnx.Module):

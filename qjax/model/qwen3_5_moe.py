@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from qjax.kernels import accum_dtype, dot_precision, gated_delta_step, sigmoid, silu
+from qjax.kernels import accum_dtype, dot_precision, gated_delta_step, matmul_accumulated, sigmoid, silu
 from qjax.model import gdn
 from qjax.model.cache import Cache, GDNState, KVState, gather_rows, read_layer, scatter_rows, write_layer, write_tokens
 from qjax.model.config import FULL, LINEAR, TextConfig
@@ -392,9 +392,7 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         bf16 creates argmax ties and costs accuracy for nothing (the matmul accumulates in fp32 anyway)."""
         if self.lm_head is not None:
             return self.lm_head.accumulated(h)
-        w = self.embed_tokens[...]  # tied embeddings
-        return jax.lax.dot_general(h, w.astype(h.dtype), (((h.ndim - 1,), (1,)), ((), ())),
-                                   precision=dot_precision(h.dtype), preferred_element_type=accum_dtype(h.dtype))
+        return matmul_accumulated(h, self.embed_tokens[...])  # tied embeddings
 
     def step_context(self, input_ids, attention_mask, position_ids, cache: Cache | None, rows=None,
                      kv_len: int | None = None):
