@@ -5,7 +5,9 @@
 #                                   recipe + per-op profile of batch-1 decode, one table, < 8 min (issue 8)
 #   benchmarks/gpu/run.sh serve     the serving engine at full size (random weights, w2w4): tokens/s, TTFT and ITL
 #                                   at concurrency 1, 8, 32 vs sequential qjax.generate, one table, < 8 min (issue 17)
-#   benchmarks/gpu/run.sh           all three (only when the session has the device time for them)
+#   benchmarks/gpu/run.sh spec      MTP speculation at full size (random weights, w2w4, bf16): one verify call of
+#                                   k + 1 = 2 … 5 tokens vs one decode step, batch 1, 512-token cache, < 5 min (issue 22)
+#   benchmarks/gpu/run.sh           all four (only when the session has the device time for them)
 # Results land in $OUT (kernels.txt, e2e.md, e2e.json); copy the tables into benchmarks/RESULTS.md.
 # The GPU image cannot install packages, so qjax is made importable from the working tree through a symlinked
 # package folder (kernels/ -> qjax.kernels, convert/ -> qjax.convert), exactly as pyproject maps them.
@@ -13,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 PHASE=${1:-all}
-case "$PHASE" in kernels|e2e|serve|all) ;; *) echo "usage: $0 [kernels|e2e|serve|all]" >&2; exit 2;; esac
+case "$PHASE" in kernels|e2e|serve|spec|all) ;; *) echo "usage: $0 [kernels|e2e|serve|spec|all]" >&2; exit 2;; esac
 PKG=$(mktemp -d)
 mkdir -p "$PKG/qjax"
 for f in "$ROOT"/qjax/*; do ln -s "$f" "$PKG/qjax/$(basename "$f")"; done
@@ -42,4 +44,8 @@ fi
 if [[ $PHASE == serve || $PHASE == all ]]; then
   timeout 460 python3 benchmarks/serve.py --model full --recipe w2w4 --dtype bfloat16 --prompt 512 --output 128 \
     --concurrency 1,8,32 --repeats 3 --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt"
+fi
+if [[ $PHASE == spec || $PHASE == all ]]; then
+  timeout 300 python3 benchmarks/speculative.py --cost-only --full --recipe w2w4 --dtype bfloat16 --no-write \
+    --repeats 5 2>&1 | tee "$OUT/spec.txt"
 fi
