@@ -4,6 +4,8 @@
   and greedy generation through transformers' pure-torch path.
 - ``ct``: compressed-tensors checkpoints written by compressed-tensors itself (and llmcompressor-style recipes), with
   the decompressed float32 transformers model as the logits oracle.
+- ``vllm_mtp``: a float64 numpy transcription of vLLM's ``Qwen3_5MoeMTP`` forward (transformers has no MTP head),
+  for both ``mtp.*`` expert layouts.
 - ``autoround``: auto-round 0.16.1 runs and auto-round checkpoints, each in a fresh interpreter (auto-round patches
   transformers for the rest of a process).
 
