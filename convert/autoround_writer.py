@@ -44,15 +44,17 @@ from qjax.checkpoint.auto_round import (
     standard_regex,
 )
 from qjax.checkpoint.layout import checkpoint_tensors
+from qjax.checkpoint.source import export_tensors, opened_source
 from qjax.model.linears import layer_linears
 from qjax.quant.packing import unpack_zero_point
 from qjax.quant.schemes import ArScheme, to_autoround
+from qjax.quant.unquantized import KeptPart, parts_held
 
 __all__ = ["AUTOROUND_VERSION", "AutoRoundError", "autoround_quantization_config", "save_autoround"]
 
 # The auto-round release whose on-disk format this writer reproduces (recorded as ``autoround_version``).
 AUTOROUND_VERSION = "0.16.1"
-BLOCK_NAME = "model.layers"
+TEXT_PREFIX = "model."  # a text-only folder; a composite one (from a composite source) has model.language_model.
 # auto-round's ``filter_quantization_config`` drops tuning keys equal to these defaults (lr/minmax_lr: 1/iters, or
 # 5e-3 when iters is 0); order = its SerializedCompressorConfig field order.
 _TUNING_DEFAULTS: dict[str, object] = {
@@ -70,13 +72,13 @@ _LAYER_CONFIG_KEYS = ("bits", "group_size", "sym", "data_type")
 Linear = tuple[str, "ArScheme | None", tuple[int, int]]  # (module name, scheme or None = 16-bit, (out, in))
 
 
-def _linears(model) -> list[Linear]:
+def _linears(model, text_prefix: str = TEXT_PREFIX) -> list[Linear]:
     """Every linear module inside the decoder blocks, in model order (experts per expert)."""
     cfg, quant = model.config, model.quant
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     out: list[Linear] = []
     for i, kind in enumerate(cfg.layer_types):
-        stem = f"{BLOCK_NAME}.{i}."
+        stem = f"{text_prefix}layers.{i}."
         metas = quant.layer(i)
         for rel, shape in layer_linears(cfg, kind).items():
             out.append((stem + rel, _scheme(stem + rel, metas.get(rel)), shape))
@@ -186,13 +188,17 @@ def _regex_entries(linears: list[Linear], layer_config: Mapping, top: Mapping) -
 
 
 def autoround_quantization_config(model, *, tuning: Mapping | None = None, layer_config: Mapping | None = None,
-                                  packing_format: str | None = None) -> dict:
+                                  packing_format: str | None = None, kept: Iterable[KeptPart] | None = None,
+                                  text_prefix: str = TEXT_PREFIX) -> dict:
     """The ``quantization_config`` auto-round writes for this model, key order included.
 
     ``extra_config`` lists every in-block linear whose scheme differs from the top-level one (only the differing
     fields), unquantized ones as ``{"bits": 16, "data_type": "fp"}`` when a dim is not a multiple of 32 (auto-round's
-    shape rule) or ``"float"`` otherwise, a quantized ``lm_head`` with its full scheme, the recipe's patterns, and the
-    routers auto-round always ignores (``.*model\\.layers\\.{i}\\.mlp\\.gate.*``).
+    shape rule) or ``"float"`` otherwise, a quantized ``lm_head`` with its full scheme, the recipe's patterns, the
+    routers auto-round always ignores (``.*model\\.layers\\.{i}\\.mlp\\.gate.*``), and the parts kept
+    unquantized that the folder holds (``kept``; default: the model's MTP head if it has one) as ``{"bits": 16}``
+    patterns: they sit outside ``block_name_to_quantize`` already, but a consumer that builds them (vLLM's MTP
+    drafter) then needs no rule of its own to keep them dense. Names are under ``text_prefix``.
     """
     quant = getattr(model, "quant", None)
     if quant is None or quant.is_empty:
@@ -200,7 +206,7 @@ def autoround_quantization_config(model, *, tuning: Mapping | None = None, layer
                              "or write it with qjax.convert.save_pretrained")
     if quant.kv_cache is not None:
         raise AutoRoundError("FP8 KV-cache scales have no place in the auto_round INT format; use save_pretrained")
-    linears = _linears(model)
+    linears = _linears(model, text_prefix)
     lm_head = _scheme("lm_head", quant.lm_head)
     schemes = [s for _, s, _ in linears if s is not None] + ([lm_head] if lm_head else [])
     top_scheme = _global_scheme(linears) if any(s for _, s, _ in linears) else lm_head
@@ -223,12 +229,17 @@ def autoround_quantization_config(model, *, tuning: Mapping | None = None, layer
     if lm_head is not None:
         extra["lm_head"] = _fields(lm_head)  # outside the blocks: auto-round records its whole scheme
     extra.update(_regex_entries(linears, layer_config or {}, top))
+    block = f"{text_prefix}layers"
     for i in range(model.config.num_hidden_layers):
-        extra[standard_regex(f"{BLOCK_NAME}.{i}.mlp.gate")] = {"bits": 16, "data_type": "float"}
+        extra[standard_regex(f"{block}.{i}.mlp.gate")] = {"bits": 16, "data_type": "float"}
+    if kept is None:
+        kept = parts_held(k for k, _, _ in checkpoint_tensors(model))
+    for part in kept:
+        extra[part.regex] = {"bits": 16, "data_type": "float"}
 
     qc: dict = {"bits": top["bits"], "data_type": "int", "group_size": top["group_size"], "sym": top["sym"]}
     qc.update(_tuning_keys(tuning))
-    qc.update({"autoround_version": AUTOROUND_VERSION, "block_name_to_quantize": BLOCK_NAME,
+    qc.update({"autoround_version": AUTOROUND_VERSION, "block_name_to_quantize": block,
                "quant_method": AUTOROUND_METHOD, "packing_format": fmt, "extra_config": extra})
     return qc
 
@@ -239,16 +250,19 @@ def autoround_quantization_config(model, *, tuning: Mapping | None = None, layer
 Item = tuple[str, int, Callable[[], np.ndarray]]  # (key, nbytes, get)
 
 
-def autoround_tensors(model, quantization_config: Mapping, *, dtype=None) -> list[Item]:
+def autoround_tensors(model, quantization_config: Mapping, *, dtype=None, tensors: list[Item] | None = None,
+                      text_prefix: str = TEXT_PREFIX) -> list[Item]:
     """Every tensor of the auto-round folder as ``(key, nbytes, get)``, sorted by key.
 
-    Quantized modules are converted from their compressed-tensors tensors; all other keys are
-    :func:`checkpoint_tensors`' own (per-expert layout, ``dtype`` as there).
+    Quantized modules are converted from their compressed-tensors tensors; all other keys are ``tensors``' own
+    (default: :func:`checkpoint_tensors`', per-expert layout, ``dtype`` as there), under ``text_prefix``.
     """
     fmt = quantization_config["packing_format"]
-    ct = {key: (nbytes, get) for key, nbytes, get in checkpoint_tensors(model, dtype=dtype)}
+    if tensors is None:
+        tensors = checkpoint_tensors(model, dtype=dtype, text_prefix=text_prefix)
+    ct = {key: (nbytes, get) for key, nbytes, get in tensors}
     modules = {key[: -len(".weight_packed")] for key in ct if key.endswith(".weight_packed")}
-    schemes = {name: s for name, s, _ in _linears(model) if s is not None}
+    schemes = {name: s for name, s, _ in _linears(model, text_prefix) if s is not None}
     if model.quant.lm_head is not None:
         schemes["lm_head"] = _scheme("lm_head", model.quant.lm_head)
     items: list[Item] = [(k, nb, get) for k, (nb, get) in ct.items() if k.rpartition(".")[0] not in modules]
@@ -287,7 +301,7 @@ def _module_items(name: str, scheme: ArScheme, fmt: str, ct: Mapping[str, tuple[
 def save_autoround(model, out_dir: str | os.PathLike, *, overwrite: bool = False, extra_files: Iterable[str] = (),
                    tuning: Mapping | None = None, layer_config: Mapping | None = None,
                    packing_format: str | None = None, dtype=None,
-                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, source: str | os.PathLike | None = None) -> str:
     """Write an INT-quantized ``model`` as an auto-round (``--format auto_round``) checkpoint folder.
 
     Args:
@@ -304,22 +318,31 @@ def save_autoround(model, out_dir: str | os.PathLike, *, overwrite: bool = False
         for all-4-bit asymmetric, else ``auto_round``); ``"auto_round"`` suits asymmetric models on CPU, where
         auto-round 0.16.1 has no working AWQ kernel.
       dtype: dtype of the unquantized tensors (default: the model dtype). Scales are always float16.
+      source: the checkpoint folder ``model`` was loaded from; its parts kept unquantized (``mtp.*``,
+        ``model.visual.*``) are copied as stored and its layout is kept, as :func:`qjax.convert.save_pretrained`
+        does.
     Returns:
       ``out_dir`` as a string.
     Raises:
       AutoRoundError: a dense model, MXFP8 layers, FP8 KV scales, per-tensor scales, a quantized layer whose dims
         are not multiples of 32, mixed symmetry, or scales that overflow float16.
     """
-    qc = autoround_quantization_config(model, tuning=tuning, layer_config=layer_config,
-                                       packing_format=packing_format)
     out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
+    # everything auto-round would refuse is refused here, before a folder or the source is touched
+    autoround_quantization_config(model, tuning=tuning, layer_config=layer_config, packing_format=packing_format)
 
     def write(folder: str) -> None:
-        hf_cfg = hf_config(model, out_dtype)
-        hf_cfg["quantization_config"] = qc
-        write_json(os.path.join(folder, "config.json"), hf_cfg)
-        write_json(os.path.join(folder, "quantization_config.json"), qc)  # auto-round writes it alongside
-        write_weights(folder, autoround_tensors(model, qc, dtype=out_dtype), model=model,
-                      max_shard_bytes=max_shard_bytes, extra_files=extra_files)
+        with opened_source(source) as src:
+            prefix = src.text_prefix if src is not None else TEXT_PREFIX
+            tensors = export_tensors(model, src, dtype=out_dtype)
+            qc = autoround_quantization_config(model, tuning=tuning, layer_config=layer_config,
+                                               packing_format=packing_format,
+                                               kept=parts_held(k for k, _, _ in tensors), text_prefix=prefix)
+            hf_cfg = hf_config(model, out_dtype, src)
+            hf_cfg["quantization_config"] = qc
+            write_json(os.path.join(folder, "config.json"), hf_cfg)
+            write_json(os.path.join(folder, "quantization_config.json"), qc)  # auto-round writes it alongside
+            write_weights(folder, autoround_tensors(model, qc, tensors=tensors, text_prefix=prefix), model=model,
+                          max_shard_bytes=max_shard_bytes, extra_files=extra_files)
 
     return write_atomically(out_dir, write, overwrite=overwrite)

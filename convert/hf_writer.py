@@ -20,27 +20,34 @@ import numpy as np
 
 from qjax.checkpoint.layout import checkpoint_tensors
 from qjax.checkpoint.safetensors_io import INDEX_FILE_NAME, write_safetensors
+from qjax.checkpoint.source import Source, export_tensors, opened_source
 from qjax.model.linears import layer_linears
 from qjax.quant import schemes
 from qjax.quant.config import KVCacheScheme, QuantizationConfig, WeightScheme
+from qjax.quant.unquantized import KeptPart, parts_held
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 logger = logging.getLogger("qjax")
 
 
-def quantization_config(model) -> dict | None:
+def quantization_config(model, *, kept: Iterable[KeptPart] | None = None) -> dict | None:
     """The compressed-tensors ``quantization_config`` of a quantized model: one config group per distinct scheme.
 
     Targets are ``re:`` patterns by module kind, as llmcompressor writes them (docs/formats.md §10), so that every
     consumer resolves every module: transformers 5 (routed experts fused into one ``mlp.experts`` module whose
     tensors it decompresses with the group whose ``re:`` target names the experts), vLLM (fused MoE layers matched
     through their per-expert names) and compressed-tensors on a per-expert model. A kind whose layers do not all
-    share one scheme gets per-layer patterns; dense kinds go to ``ignore``, and so does the MTP head (always dense).
+    share one scheme gets per-layer patterns; dense kinds go to ``ignore``, and so do the parts kept unquantized
+    (``kept``: the ones the folder holds; default: the model's MTP head if it has one) — vLLM builds the MTP head
+    with the checkpoint's quantization config, so a ``Linear``-like target would otherwise make it expect packed
+    weights.
     """
     quant = getattr(model, "quant", None)
     if quant is None:
         return None
+    if kept is None:
+        kept = parts_held(k for k, _, _ in checkpoint_tensors(model))
     by_kind = schemes_by_kind(model)
     groups: dict[WeightScheme, list[tuple[str, int | None]]] = {}
     dense: list[tuple[str, int | None]] = []
@@ -54,7 +61,7 @@ def quantization_config(model) -> dict | None:
         targets.setdefault(schemes.from_meta(quant.lm_head), []).append("lm_head")
     ignore = ["lm_head"] if quant.lm_head is None else []
     ignore += _patterns(dense)
-    ignore.append(MTP_PATTERN)  # qjax never quantizes the MTP head; a consumer that builds it keeps it dense
+    ignore += [part.ignore_entry for part in kept]
     kv = None if quant.kv_cache is None else KVCacheScheme(num_bits=8, type="float", strategy=quant.kv_cache)
     # the experts' group first: transformers 5 takes the first group whose re: targets name the experts
     order = sorted(targets.items(), key=lambda kv_: not any(EXPERTS_WORD in t for t in kv_[1]))
@@ -136,7 +143,6 @@ EXPERTS_WORD = "experts"
 # the per-expert projections transformers and vLLM name, and the stacked variable each lives in
 EXPERT_PROJECTIONS = {"gate_proj": "mlp.experts.gate_up_proj", "up_proj": "mlp.experts.gate_up_proj",
                       "down_proj": "mlp.experts.down_proj"}
-MTP_PATTERN = r"re:.*mtp\..*"
 
 
 def _patterns(units: list[tuple[str, int | None]]) -> list[str]:
@@ -164,27 +170,33 @@ def _patterns(units: list[tuple[str, int | None]]) -> list[str]:
 
 def save_pretrained(model, out_dir: str | os.PathLike, *, dtype=None, fused_experts: bool = False,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-                    extra_files: Iterable[str] = ()) -> str:
+                    extra_files: Iterable[str] = (), source: str | os.PathLike | None = None) -> str:
     """Write ``model`` to ``out_dir`` as config.json + generation_config.json + safetensors (+ index when sharded).
 
     Args:
       extra_files: paths copied into the folder as they are (tokenizer.json, tokenizer_config.json, …).
       overwrite: replace an existing ``out_dir`` (the old folder is removed only after the new one is complete).
+      source: the checkpoint folder ``model`` was loaded from (``qjax quantize`` passes its ``--model``). Its parts
+        kept unquantized (:mod:`qjax.quant.unquantized`: ``mtp.*``, ``model.visual.*``) are then copied as stored —
+        same keys, dtypes and bytes — after checking the model still holds the same MTP head; a composite source
+        (``text_config`` + ``vision_config``, text under ``model.language_model.``) gives a composite folder, so
+        the vision tower stays loadable.
     Returns:
       ``out_dir`` as a string.
     """
     out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
 
     def write(folder: str) -> None:
-        hf_cfg = hf_config(model, out_dtype)
-        qc = quantization_config(model)
-        if qc is not None:
-            hf_cfg["quantization_config"] = qc
-            for limit in consumer_limits(model):
-                logger.warning("%s: %s", out_dir, limit)
-        write_json(os.path.join(folder, "config.json"), hf_cfg)
-        write_weights(folder, checkpoint_tensors(model, fused_experts=fused_experts, dtype=out_dtype),
-                      model=model, max_shard_bytes=max_shard_bytes, extra_files=extra_files)
+        with opened_source(source) as src:
+            tensors = export_tensors(model, src, fused_experts=fused_experts, dtype=out_dtype)
+            hf_cfg = hf_config(model, out_dtype, src)
+            qc = quantization_config(model, kept=parts_held(k for k, _, _ in tensors))
+            if qc is not None:
+                hf_cfg["quantization_config"] = qc
+                for limit in consumer_limits(model):
+                    logger.warning("%s: %s", out_dir, limit)
+            write_json(os.path.join(folder, "config.json"), hf_cfg)
+            write_weights(folder, tensors, model=model, max_shard_bytes=max_shard_bytes, extra_files=extra_files)
 
     return write_atomically(out_dir, write, overwrite=overwrite)
 
@@ -255,13 +267,20 @@ def preflight(out_dir: str | os.PathLike, need_bytes: int) -> None:
                                     f"{need_bytes / 2**30:.2f} GiB")
 
 
-def hf_config(model, out_dtype: np.dtype) -> dict:
-    """config.json of ``model`` (without quantization_config)."""
+def hf_config(model, out_dtype: np.dtype, source: Source | None = None) -> dict:
+    """config.json of ``model`` (without quantization_config): ``qwen3_5_moe_text``, or — from a composite
+    ``source`` — the source's own ``qwen3_5_moe`` config (vision config, token ids) with the model's text fields over
+    its ``text_config`` (fields qjax does not model, such as ``mamba_ssm_dtype``, are kept)."""
     hf_cfg = model.config.to_hf_dict()
     hf_cfg["dtype"] = out_dtype.name
     if getattr(model, "mtp", None) is not None:
         hf_cfg["mtp_num_hidden_layers"] = max(1, model.config.mtp_num_hidden_layers)
-    return hf_cfg
+    if source is None or not source.composite:
+        return hf_cfg
+    text = {**source.config["text_config"], **{k: v for k, v in hf_cfg.items() if k != "architectures"}}
+    out = {k: v for k, v in source.config.items() if k != "quantization_config"}
+    out.update(text_config=text, dtype=out_dtype.name)
+    return out
 
 
 def generation_config(model) -> dict:

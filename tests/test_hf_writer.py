@@ -257,7 +257,9 @@ def test_targets_resolve_every_module_to_its_scheme(tiny_hf):
             want = None if meta is None else (meta.bits, meta.group_size)
             assert resolved(module) == want, module
             checked += 1
-    assert resolved("lm_head") is None and resolved("mtp.layers.0.self_attn.q_proj") is None
+    assert resolved("lm_head") is None
+    # the parts kept unquantized are listed when the folder holds them (tests/test_rtn.py): this model has neither
+    assert not any("mtp" in t or "visual" in t for t in written["ignore"])
     assert checked > 100
     assert {schemes.from_meta(m).num_bits for layer in model.quant.layers for _, m in layer} == {2, 4, 8}
     assert consumer_limits(model) == []

@@ -271,3 +271,171 @@ def test_packed_tensors_without_quantization_config(w4, tmp_path):
     json.dump(cfg, open(path, "w"))
     with pytest.raises(ValueError, match="no quantization_config"):
         qjax.load_model(folder)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the MTP head next to a quantized body (issue 22): BF16 as the seeds keep it, or quantized by a recipe
+# ---------------------------------------------------------------------------------------------------------------------
+def _mtp_linears(tensors) -> list[str]:
+    """The MTP head's linear modules among ``tensors`` (2-D ``.weight``; not the router, which is not a Linear)."""
+    from qjax.checkpoint.layout import is_linear
+
+    return sorted(k[: -len(".weight")] for k, v in tensors.items()
+                  if k.startswith("mtp.") and k.endswith(".weight") and v.ndim == 2 and is_linear(k[: -len(".weight")]))
+
+
+# recipe → how its config.json lists the BF16 head: the seeds' card words for it ("kept in BF16"), as a pattern
+# (qjax's own, re:.*mtp.* as a user writes it), as explicit module names (llmcompressor's style for what it leaves
+# dense), or not at all (docs/formats.md §7: keys outside the producer's module tree, covered by neither list)
+MTP_HEAD_CASES = {"int4_sym_g128": "qjax", "w2_experts_w4_rest": "explicit", "int8_g32_f16_scales": "unlisted",
+                  "mxfp8_experts_kv_tensor": "user"}
+
+
+@pytest.fixture(scope="module")
+def hf128_bf16(hf128):
+    import copy
+
+    import torch
+
+    return copy.deepcopy(hf128).to(torch.bfloat16)
+
+
+@pytest.mark.slow  # a speculative and a plain generate compile per recipe (~1 min each on 2 cores)
+@pytest.mark.parametrize("recipe", sorted(MTP_HEAD_CASES))
+def test_quantized_body_with_bf16_mtp_head_loads_and_speculates(recipe, hf128_bf16, tmp_path):
+    """INT4, INT2/INT4, INT8 and MXFP8 (+ FP8 KV) bodies with the BF16 MTP head of the seeds: the head loads dense
+    with the stored values, and MTP speculation gives plain greedy's tokens."""
+    from qjax.quant.unquantized import KEPT_UNQUANTIZED
+
+    from oracles.autoround import read_tensors
+
+    folder = write_ct_checkpoint(hf128_bf16, tmp_path / recipe, RECIPES[recipe], official_layout=True)
+    disk = read_tensors(folder)  # (safetensors.numpy has no float8)
+    head = _mtp_linears(disk)
+    assert head and all(str(disk[f"{m}.weight"].dtype) == "bfloat16" for m in head)
+    style = MTP_HEAD_CASES[recipe]
+    listed = {"qjax": [p.ignore_entry for p in KEPT_UNQUANTIZED], "user": [r"re:.*mtp.*"], "explicit": head,
+              "unlisted": []}[style]
+    _edit_config(folder, lambda q: q.update(ignore=q["ignore"] + listed))
+    model = qjax.load_model(folder, dtype=jnp.float32)
+    assert model.quant is not None and model.mtp is not None
+    for m in head:  # dense, the stored BF16 values exactly
+        np.testing.assert_array_equal(module_weight(model, m, text_prefix="model.language_model."),
+                                      disk[f"{m}.weight"].astype(np.float32))
+    ids = np.random.default_rng(7).integers(0, 512, (2, 12)).astype(np.int32)
+    plain = qjax.generate(model, ids, max_new_tokens=16, do_sample=False, eos_token_id=[])
+    spec, stats = qjax.generate(model, ids, max_new_tokens=16, do_sample=False, eos_token_id=[], speculative="mtp",
+                                num_speculative_tokens=2, return_stats=True)
+    np.testing.assert_array_equal(np.asarray(spec), np.asarray(plain))
+    assert stats.rounds >= 1
+
+
+@pytest.fixture(scope="module")
+def quantized_head(hf128_bf16, tmp_path_factory):
+    """(folder, dense folder): an INT4 asymmetric g32 compressed-tensors checkpoint (official layout) whose recipe's
+    ``Linear`` target also took the MTP head — its linears stored packed, encoded with compressed-tensors' RTN rule —
+    and the same folder with those modules dense as compressed-tensors' own decompressor decodes them."""
+    from qjax.autoround.rtn import quantized_entries
+    from qjax.quant.config import QuantizationConfig
+
+    tmp = tmp_path_factory.mktemp("quantized-head")
+    folder = write_ct_checkpoint(hf128_bf16, tmp / "q", RECIPES["int4_asym_g32"], official_layout=True)
+    qc = QuantizationConfig.from_config_json(folder)
+
+    def quantize_head(t):
+        for m in _mtp_linears(t):
+            w = t.pop(f"{m}.weight")
+            packed = quantized_entries(m, qc.scheme_for(m), w.shape, lambda w=w: w, w.dtype, "BF16")
+            t.update({k: get() for k, (_, _, get) in packed.items()})
+    _rewrite(folder, quantize_head)
+    decoded = ct_dequantized(folder)
+    dense = _copy(folder, tmp / "dense")
+
+    def decode(t):
+        for m in {k.rsplit(".", 1)[0] for k in t if k.startswith("mtp.") and k.endswith(".weight_packed")}:
+            for f in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"):
+                t.pop(f"{m}.{f}", None)
+            t[f"{m}.weight"] = decoded[f"{m}.weight"]
+    _rewrite(dense, decode)
+    return folder, dense
+
+
+@pytest.mark.slow  # two loads and two MTP-head forwards (~10 s on 2 cores)
+def test_quantized_mtp_head_loads_dense(quantized_head, caplog, tmp_path):
+    """A recipe that quantized the MTP head: it loads (once said), the head dense with compressed-tensors' decoded
+    weights, computing exactly what the head stored dense computes; written again, the head is the dense one qjax
+    holds (a copy of the packed source head, which the written config would call unquantized, is refused)."""
+    from qjax.convert import save_pretrained
+
+    folder, dense = quantized_head
+    assert any(k.startswith("mtp.") and k.endswith(".weight_packed")
+               for k in load_file(os.path.join(folder, "model.safetensors")))
+    with caplog.at_level(logging.WARNING, logger="qjax"):
+        model = qjax.load_model(folder, dtype=jnp.float32)
+    assert sum("MTP head is stored quantized" in r.getMessage() for r in caplog.records) == 1
+    ref = qjax.load_model(dense, dtype=jnp.float32)
+    ids = np.random.default_rng(8).integers(0, 512, (2, 12)).astype(np.int32)
+    hidden = ref.forward(jnp.asarray(ids)).hidden
+    np.testing.assert_array_equal(np.asarray(model.mtp_logits(ids, hidden)), np.asarray(ref.mtp_logits(ids, hidden)))
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(ref(ids)))  # the body as before
+    with pytest.raises(ValueError, match=r"stores the MTP head quantized \(mtp\."):
+        save_pretrained(model, tmp_path / "copy", source=folder)
+    written = load_file(os.path.join(save_pretrained(model, tmp_path / "own"), "model.safetensors"))
+    dense_disk = load_file(os.path.join(dense, "model.safetensors"))
+    head = _mtp_linears(dense_disk)
+    assert head and all(np.array_equal(written[f"{m}.weight"], dense_disk[f"{m}.weight"]) for m in head)
+
+
+def _damage(folder, key, fn):
+    _rewrite(folder, lambda t: t.update({key: fn(t[key])}))
+
+
+# edit of the quantized head → what the one error line names
+BAD_HEAD = {
+    "zero_scale": (lambda f: _damage(f, "mtp.fc.weight_scale", lambda a: np.zeros_like(a)),
+                   r"mtp\.fc\.weight_scale \[model\.safetensors\]: \d+ scales are zero"),
+    "wrong_shape": (lambda f: _damage(f, "mtp.layers.0.self_attn.q_proj.weight_packed", lambda a: a[:, :-1]),
+                    r"wrong shape: mtp\.layers\.0\.self_attn\.q_proj\.weight_packed \[model\.safetensors\]"),
+    "weight_shape": (lambda f: _damage(f, "mtp.layers.0.mlp.experts.1.down_proj.weight_shape",
+                                       lambda a: a[::-1].copy()),
+                     r"mtp\.layers\.0\.mlp\.experts\.1\.down_proj\.weight_shape \[model\.safetensors\] says"),
+    "missing_zero_point": (lambda f: _rewrite(f, lambda t: t.pop("mtp.fc.weight_zero_point")),
+                           r"missing: mtp\.fc\.weight_zero_point"),
+    "ignored_yet_packed": (lambda f: _edit_config(f, lambda q: q.update(ignore=q["ignore"] + [r"re:.*mtp\..*"])),
+                           r"mtp\.\S+: stored quantized \(int\) but no config_group"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HEAD))
+def test_bad_quantized_mtp_tensor_is_named(case, quantized_head, tmp_path):
+    edit, message = BAD_HEAD[case]
+    folder = _clone(quantized_head[0], tmp_path / "c")
+    edit(folder)
+    with pytest.raises(ValueError, match=message):
+        qjax.load_model(folder, dtype=jnp.float32)
+
+
+def _nan_at_0(a):
+    a = a.copy()
+    a.reshape(-1)[0] = np.nan
+    return a
+
+
+# the same for the head stored dense, as the seeds store it
+BAD_DENSE_HEAD = {
+    "nan": (lambda f: _damage(f, "mtp.norm.weight", _nan_at_0),
+            r"mtp\.norm\.weight \[model\.safetensors\]: 1 NaN or infinite values"),
+    "wrong_shape": (lambda f: _damage(f, "mtp.fc.weight", lambda a: a[:, :-1].copy()),
+                    r"wrong shape: mtp\.fc\.weight \[model\.safetensors\] is \[128, 255\], expected \[128, 256\]"),
+    "missing": (lambda f: _rewrite(f, lambda t: t.pop("mtp.layers.0.mlp.experts.2.up_proj.weight")),
+                r"missing \(1\): mtp\.layers\.0\.mlp\.experts\.2\.up_proj\.weight"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DENSE_HEAD))
+def test_bad_dense_mtp_tensor_is_named(case, quantized_head, tmp_path):
+    edit, message = BAD_DENSE_HEAD[case]
+    folder = _clone(quantized_head[1], tmp_path / "c")
+    edit(folder)
+    with pytest.raises(ValueError, match=message):
+        qjax.load_model(folder, dtype=jnp.float32)

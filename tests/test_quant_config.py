@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -472,3 +473,60 @@ def test_refusals(case: str) -> None:
     msg = str(info.value)
     assert msg.startswith("ckpt/config.json: "), msg
     assert field in msg and words in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the parts kept unquantized (qjax.quant.unquantized): their entries, as every consumer matches them
+# ---------------------------------------------------------------------------------------------------------------------
+# module names of each part as checkpoints and consumers spell them (vLLM loads model.visual.* as visual.*, and
+# builds its MTP drafter under mtp.*), and body modules none of them may match
+KEPT_NAMES = {"mtp.": ["mtp.fc", "mtp.layers.0.self_attn.q_proj", "mtp.layers.0.mlp.experts.3.down_proj",
+                       "mtp.layers.0.mlp.experts", "mtp.layers.0.mlp.shared_expert.gate_proj"],
+              "model.visual.": ["model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc2",
+                                "visual.blocks.0.mlp.linear_fc1"]}
+BODY_NAMES = ["model.layers.0.self_attn.q_proj", "model.language_model.layers.3.mlp.experts.7.up_proj",
+              "model.language_model.layers.0.linear_attn.in_proj_qkv", "lm_head", "model.embed_tokens"]
+
+
+def test_kept_parts_entries_match_their_modules_in_every_consumer() -> None:
+    from compressed_tensors.utils.match import match_name
+
+    from qjax.checkpoint.auto_round import standard_regex
+    from qjax.quant.unquantized import KEPT_UNQUANTIZED, kept_part, parts_held
+
+    assert [p.prefix for p in KEPT_UNQUANTIZED] == list(KEPT_NAMES)
+    qc = QuantizationConfig(groups=(("all", ("Linear",), WeightScheme("pack-quantized", 4, "int", True, "group",
+                                                                       32)),),
+                            ignore=tuple(p.ignore_entry for p in KEPT_UNQUANTIZED))
+    for part in KEPT_UNQUANTIZED:
+        assert part.regex == standard_regex(part.word + ".")  # an auto-round extra_config key as auto-round makes it
+        for name in KEPT_NAMES[part.prefix]:
+            assert match_name(name, part.ignore_entry), name  # compressed-tensors (and vLLM: the same re.match)
+            assert qc.scheme_for(name) is None, name
+            assert re.search(part.regex, name), name  # auto-round's and qjax's extra_config lookup
+    for name in BODY_NAMES:
+        assert not any(match_name(name, p.ignore_entry) for p in KEPT_UNQUANTIZED), name
+        assert qc.scheme_for(name) is not None and kept_part(name) is None
+    assert kept_part("mtp.layers.0.self_attn.q_proj").what == "the MTP head"
+    assert parts_held(["model.layers.0.mlp.gate.weight", "mtp.fc.weight"]) == KEPT_UNQUANTIZED[:1]
+
+
+@pytest.mark.parametrize("pattern,bits,refused", [(".*mtp.*", 4, True), ("mtp.fc", 2, True),
+                                                  ("re:.*visual.*", 8, True), (".*mtp.*", 16, False),
+                                                  (".*experts.*", 2, False)])
+def test_a_recipe_that_names_a_kept_part_is_refused(pattern: str, bits: int, refused: bool) -> None:
+    """AutoRound's layer_config (checked before anything is loaded) and RTN's config groups: a pattern that would
+    quantize the MTP head or the vision tower by name is refused, naming it; keeping them at 16 bits is not."""
+    from qjax.autoround.rtn import quantize_model
+    from qjax.autoround.schemes import Scheme, check_layer_config
+
+    def check():
+        check_layer_config(Scheme(bits=4, group_size=32), {pattern: {"bits": bits}})
+    if not refused:
+        check()
+        return
+    with pytest.raises(ValueError, match=r"names (mtp|model\.visual)\.\* \(the (MTP head|vision tower)\)"):
+        check()
+    scheme = WeightScheme("pack-quantized", 4, "int", True, "group", 32)
+    with pytest.raises(ValueError, match=f"{re.escape(repr(pattern))} names"):  # before the model is looked at
+        quantize_model(None, QuantizationConfig(groups=(("g", (pattern,), scheme),)))

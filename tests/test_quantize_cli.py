@@ -165,3 +165,43 @@ def test_writes_fail_before_any_work_and_leave_nothing(base, tmp_path, monkeypat
     out = _quantize(folder, calib, tmp_path / "ok")
     assert os.path.isdir(out) and not stale.exists()
     real_load(out)
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory):
+    """The tiny bf16 model in the official Qwen3.6 layout (composite config, BF16 vision tower, BF16 MTP head with
+    fused experts) with its tokenizer, and calibration text."""
+    import torch
+    from oracles.autoround import write_tokenizer
+    from oracles.hf import make_hf_model, save_hf, tiny_text_config, write_official_layout
+
+    tmp = tmp_path_factory.mktemp("cli-official")
+    hf = make_hf_model(tiny_text_config(), seed=0).to(torch.bfloat16)
+    folder = write_official_layout(save_hf(hf, tmp / "src"), tmp / "official", shards=1, mtp_fused=True)
+    write_tokenizer(folder)
+    return folder, write_calibration(tmp / "calib.json")
+
+
+@pytest.mark.parametrize("fmt", ["llm_compressor", "auto_round"])
+def test_autoround_export_keeps_mtp_head_and_vision_as_stored(official, fmt, tmp_path):
+    """AutoRound (2 tuning iterations, float32 blocks) tunes the decoder only: both formats carry the source's BF16
+    MTP head and vision tower byte for byte, listed unquantized, in the source's composite layout; the folder
+    reloads with a head computing the source model's MTP logits exactly."""
+    from test_rtn import assert_kept_as_stored
+
+    from qjax.autoround.api import quantize_folder
+    from qjax.autoround.driver import AutoRoundConfig
+
+    folder, calib = official
+    cfg = AutoRoundConfig(bits=4, group_size=32, iters=2, nsamples=4, seqlen=32, batch_size=2,
+                          layer_config={".*experts.*": {"bits": 2, "group_size": 32},
+                                        ".*in_proj_[ab].*": {"bits": 16}})  # 4 rows: auto_round cannot pack them
+    out = quantize_folder(folder, str(tmp_path / fmt), cfg, dataset=calib, fmt=fmt, dtype="float32", progress=False)
+    assert_kept_as_stored(folder, out)
+    report = json.load(open(os.path.join(out, "qjax_autoround.json")))
+    assert [r["index"] for r in report] == [0, 1, 2, 3]  # the decoder's blocks, and no other
+    src, back = qjax.load_model(folder, dtype=jnp.float32), qjax.load_model(out)
+    assert back.quant is not None and back.dtype == jnp.float32
+    ids = np.random.default_rng(10).integers(0, 500, (2, 10)).astype(np.int32)
+    hidden = src.forward(jnp.asarray(ids)).hidden
+    np.testing.assert_array_equal(np.asarray(back.mtp_logits(ids, hidden)), np.asarray(src.mtp_logits(ids, hidden)))

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -20,11 +19,12 @@ from qjax.checkpoint.hub import default_model_dir
 from qjax.checkpoint.view import Checkpoint
 from qjax.convert.autoround_writer import save_autoround
 from qjax.convert.hf_writer import preflight, save_pretrained
+from qjax.quant.unquantized import kept_part
 
 from . import progress as prog
 from .data import calibration_ids, load_tokenizer, read_documents
 from .driver import AutoRound, AutoRoundConfig, report_json
-from .schemes import SCHEME_FIELDS, check_scheme, parse_layer_config, preset
+from .schemes import check_layer_config, layer_scheme, parse_layer_config, preset
 
 logger = logging.getLogger("qjax.autoround")
 
@@ -45,6 +45,11 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
                     on_block=None) -> str:
     """Quantize the checkpoint in ``model_dir`` with AutoRound and write it to ``output_dir``.
 
+    AutoRound tunes the decoder layers. The MTP head (``mtp.*``) and the vision tower (``model.visual.*``) are left
+    as the seeds leave them (:mod:`qjax.quant.unquantized`): copied into the export as ``model_dir`` stores them and
+    listed as unquantized; a ``layer_config`` pattern that would quantize them is refused. A composite source stays
+    composite.
+
     Args:
       cfg: the AutoRound options.
       dataset: local calibration file (.txt, .jsonl, .json; see :mod:`qjax.autoround.data`).
@@ -56,11 +61,7 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
       ``output_dir``.
     """
     # options are checked before anything is loaded or computed
-    base = cfg.base_scheme
-    check_scheme(base, "--bits/--group_size/--data_type")
-    for pat, opts in cfg.layer_config.items():
-        check_scheme(dataclasses.replace(base, **{k: v for k, v in opts.items() if k in SCHEME_FIELDS}),
-                     f"--layer_config[{pat!r}]")
+    check_layer_config(cfg.base_scheme, cfg.layer_config)
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not supported (choose from {', '.join(FORMATS)})")
     if os.path.exists(output_dir) and not overwrite:
@@ -93,24 +94,22 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
     with open(report, "w", encoding="utf-8") as f:
         f.write(report_json(ar.reports))
     extra.append(report)
+    # the source's MTP head and vision tower go into the export as stored (qjax.quant.unquantized)
     if fmt == "llm_compressor":
-
-        save_pretrained(qmodel, output_dir, overwrite=overwrite, extra_files=extra)
+        save_pretrained(qmodel, output_dir, overwrite=overwrite, extra_files=extra, source=model_dir)
     else:
-
         save_autoround(qmodel, output_dir, overwrite=overwrite, extra_files=extra, tuning=_tuning_keys(cfg, ids),
-                       layer_config=cfg.layer_config or None)
+                       layer_config=cfg.layer_config or None, source=model_dir)
     prog.finish(pdir)
     return output_dir
 
 
 def _output_bytes(model_dir: str, cfg: AutoRoundConfig) -> int:
-    """An upper estimate of the quantized checkpoint's size, from the source's headers: every 2-D ``.weight`` at
-    the widest bits the options use (plus its scales), everything else as it is."""
+    """An upper estimate of the quantized checkpoint's size, from the source's headers: every 2-D ``.weight`` of the
+    text model at the widest bits the options use (plus its scales), everything else (the MTP head and the vision
+    tower, copied as stored, included) as it is."""
 
-    schemes = [cfg.base_scheme] + [dataclasses.replace(cfg.base_scheme,
-                                                       **{k: v for k, v in o.items() if k in SCHEME_FIELDS})
-                                   for o in cfg.layer_config.values()]
+    schemes = [cfg.base_scheme] + [layer_scheme(cfg.base_scheme, o) for o in cfg.layer_config.values()]
     bits = max(8 if s.data_type == "mx_fp" else s.bits for s in schemes)
     group = min((s.group_size for s in schemes if s.group_size and s.group_size > 0), default=128)
     ckpt = Checkpoint(model_dir)
@@ -118,7 +117,8 @@ def _output_bytes(model_dir: str, cfg: AutoRoundConfig) -> int:
         total = 0
         for k in ckpt.keys():
             n, itemsize = ckpt.where[k].nbytes(k), ckpt.get(k).itemsize  # (a view: no data is read)
-            quantizable = k.endswith(".weight") and len(ckpt.shape(k)) >= 2 and "embed_tokens" not in k
+            quantizable = k.endswith(".weight") and len(ckpt.shape(k)) >= 2 and "embed_tokens" not in k \
+                and kept_part(k) is None
             total += int(n * (bits + 32 / group) / (8 * itemsize)) if quantizable else n
         return total
     finally:

@@ -26,6 +26,7 @@ from qjax.checkpoint.view import MemoryCheckpoint
 from qjax.model.variables import variable_shapes
 from qjax.quant.config import QuantizationConfig
 from qjax.quant.packing import pack_int32, quantize_int, quantize_mxfp8
+from qjax.quant.unquantized import check_not_named, kept_part
 
 
 def quantize_model(model, qconfig: QuantizationConfig | dict):
@@ -33,7 +34,9 @@ def quantize_model(model, qconfig: QuantizationConfig | dict):
 
     Module names are matched in the text-only on-disk naming (``model.layers.3.self_attn.q_proj``,
     ``model.layers.0.mlp.experts.5.down_proj``, ``lm_head``); the router (``mlp.gate``) is not a linear layer in
-    transformers and is never matched by the ``Linear`` class target. KV-cache schemes need calibration data and
+    transformers and is never matched by the ``Linear`` class target. The MTP head stays as it is even where a
+    target matches its modules (``Linear``, ``re:.*self_attn\\.q_proj$``), as every seed keeps it
+    (:mod:`qjax.quant.unquantized`); a target that names it is refused. KV-cache schemes need calibration data and
     are not produced here.
 
     Returns:
@@ -45,12 +48,15 @@ def quantize_model(model, qconfig: QuantizationConfig | dict):
         raise ValueError("quantize_model: kv_cache_scheme needs calibration (static FP8 scales); use qjax quantize")
     if getattr(model, "quant", None) is not None:
         raise ValueError("quantize_model: the model is already quantized")
+    check_not_named((t for _, targets, _ in qc.groups for t in targets), "quantize_model: config_groups target")
     weight_dtype = np.dtype(model.dtype)
     st_dtype = dtype_name(weight_dtype)
     entries: dict[str, tuple] = {}
     for key, shape, dtype, get in dense_entries(model):
         module = key[: -len(".weight")] if key.endswith(".weight") else None
-        scheme = None if module is None or len(shape) != 2 else qc.scheme_for(module, is_linear=is_linear(module))
+        scheme = None
+        if module is not None and len(shape) == 2 and kept_part(module) is None:
+            scheme = qc.scheme_for(module, is_linear=is_linear(module))
         if scheme is None:
             entries[key] = (shape, dtype, get)
         else:

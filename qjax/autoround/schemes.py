@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from qjax.checkpoint.auto_round import standard_regex
+from qjax.quant.unquantized import check_not_named
 
 logger = logging.getLogger("qjax.autoround")
 
@@ -67,6 +68,28 @@ def check_scheme(s: Scheme, where: str) -> None:
     if s.group_size != -1 and s.group_size <= 0:
         raise LayerConfigError(f"{where}: group_size {s.group_size} is not supported (a positive size or -1 for per "
                                "channel)")
+
+
+def layer_scheme(base: Scheme, opts: dict[str, Any]) -> Scheme:
+    """``base`` with a ``layer_config`` entry's fields applied."""
+    return dataclasses.replace(base, **{k: v for k, v in opts.items() if k in SCHEME_FIELDS})
+
+
+def check_layer_config(base: Scheme, layer_config: dict[str, dict[str, Any]]) -> None:
+    """Refuse, before anything is loaded, a scheme qjax cannot store and a pattern that would quantize a part qjax
+    keeps unquantized (:func:`check_kept_unquantized`)."""
+    check_scheme(base, "--bits/--group_size/--data_type")
+    for pat, opts in layer_config.items():
+        check_scheme(layer_scheme(base, opts), f"--layer_config[{pat!r}]")
+    check_kept_unquantized(base, layer_config)
+
+
+def check_kept_unquantized(base: Scheme, layer_config: dict[str, dict[str, Any]]) -> None:
+    """Refuse a pattern that names ``mtp`` or ``visual`` and quantizes: AutoRound's layers are the decoder's, and the
+    MTP head and the vision tower go into the export as the source stores them (:mod:`qjax.quant.unquantized`)."""
+    for pat, opts in layer_config.items():
+        if layer_scheme(base, opts).quantized:
+            check_not_named([pat], "--layer_config")
 
 
 def parse_layer_config(arg: str | dict | None) -> dict[str, dict[str, Any]]:
@@ -160,6 +183,7 @@ def resolve(names: dict[str, tuple[int, int]], base: Scheme,
     Warns for a pattern that matches nothing.
     """
     check_scheme(base, "global scheme")
+    check_kept_unquantized(base, layer_config)
     compiled = []
     for pat, opts in layer_config.items():
         try:
@@ -174,7 +198,7 @@ def resolve(names: dict[str, tuple[int, int]], base: Scheme,
         for pat, rx, opts in compiled:
             if name == pat or rx.search(name):
                 hits[pat] += 1
-                s = dataclasses.replace(s, **{k: v for k, v in opts.items() if k in SCHEME_FIELDS})
+                s = layer_scheme(s, opts)
         check_scheme(s, f"{name} (from --layer_config)")
         if s.quantized and not s.is_mxfp8 and (n_out % 32 or n_in % 32):
             # auto-round's rule for INT weight-only schemes: such layers stay in the model dtype

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +128,17 @@ def _quant_keys(out, name: str, field: str, path: tuple, lead: tuple[int, ...], 
                 out[key] = Target(path, start, shape, dtypes)
         else:
             out[key] = Target(path, start, shape, (dtype,))
+
+
+def module_targets(name: str, meta) -> dict[str, Target]:
+    """Every stored tensor of the packed linear ``name`` (``meta``: its QuantMeta) with the shape and dtypes the
+    loader accepts, as :func:`expected_tensors` states them, but bound to no variable (``path`` None): for a reader
+    that decodes the module itself."""
+    out: dict[str, Target] = {}
+    fields = ("weight_packed", "weight_scale") + (() if meta.symmetric else ("weight_zero_point",))
+    for field in fields:
+        _quant_keys(out, name, field, None, (), 0, meta.out_features, meta.in_features, meta)
+    return out
 
 
 def _add_layer_keys(out, stem, rest, path, lead, shape, fused, meta):
@@ -283,7 +294,8 @@ def _values(model) -> tuple[dict[tuple, jax.Array], dict[tuple, bool]]:
     return values, is_param
 
 
-def checkpoint_tensors(model, *, fused_experts: bool = False, dtype=None) -> list[tuple[str, int, Callable]]:
+def checkpoint_tensors(model, *, fused_experts: bool | Mapping[str, bool] = False, dtype=None,
+                       text_prefix: str = "model.") -> list[tuple[str, int, Callable]]:
     """Every checkpoint tensor as ``(hf_key, nbytes, get)``; ``get()`` pulls that one tensor to the host.
 
     Quantized modules are written in compressed-tensors' layout (``weight_packed`` + ``weight_scale`` +
@@ -292,16 +304,21 @@ def checkpoint_tensors(model, *, fused_experts: bool = False, dtype=None) -> lis
 
     Args:
       fused_experts: write dense experts as ``mlp.experts.gate_up_proj``/``down_proj`` stacks (the official BF16
-        layout) instead of transformers' per-expert keys. Quantized experts are always per expert.
+        layout) instead of transformers' per-expert keys; or, per layer, a map of key stems (``"mtp.layers.0."``)
+        to whether that layer's are fused (:func:`expert_layouts` of another checkpoint), the others per expert.
+        Quantized experts are always per expert.
       dtype: dtype of the float parameters on disk (default: the model dtype; ``A_log``/``dt_bias``, fp32 in memory,
         follow it like transformers' checkpoints do). Quantization scales keep their own dtype.
+      text_prefix: ``"model."`` (text-only checkpoints) or ``"model.language_model."`` (composite ones).
     """
     cfg = model.config
     values, is_param = _values(model)
-    targets = expected_tensors(model, variable_shapes(model),
-                               fused_experts=({} if fused_experts
-                                              else per_expert_layout(cfg, mtp_layers=mtp_layers(model))),
-                               text_prefix="model.")
+    per_expert = per_expert_layout(cfg, prefix=text_prefix, mtp_layers=mtp_layers(model))
+    if isinstance(fused_experts, Mapping):
+        layouts = {**per_expert, **fused_experts}
+    else:
+        layouts = {} if fused_experts else per_expert
+    targets = expected_tensors(model, variable_shapes(model), fused_experts=layouts, text_prefix=text_prefix)
     out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
     quant = getattr(model, "quant", None)
     kv_dtype = np.dtype(jnp.dtype(quant.kv_scale_dtype)) if quant is not None else np.dtype(np.float32)

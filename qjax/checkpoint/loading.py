@@ -25,6 +25,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from qjax.checkpoint.auto_round import open_autoround
+from qjax.checkpoint.dense_mtp import dense_mtp_view
 from qjax.checkpoint.layout import (
     FLOAT,
     SKIPPED_PREFIXES,
@@ -170,7 +171,7 @@ def _check_folder(path, *, values: bool):
     ckpt = Checkpoint(path)
     try:
         qc, view = quantization_view(path, ckpt)
-        _, _, targets, _ = _structure(cfg, qc, view, None)
+        _, _, targets, _, view = _structure(cfg, qc, view, None)
         for key in _ordered(view, targets):
             if values:
                 verify_values(view, key, view.get(key))
@@ -183,7 +184,9 @@ def _check_folder(path, *, values: bool):
 
 def _structure(cfg: TextConfig, qc, ckpt: Checkpoint, dtype):
     """The abstract model a checkpoint describes, its variables and every tensor's target, checked against the
-    checkpoint's names, shapes and dtypes: (model, leaves, targets, text prefix)."""
+    checkpoint's names, shapes and dtypes: (model, leaves, targets, skipped keys, the view to read — ``ckpt``, or
+    a view of it that decodes a quantized MTP head to the dense one the model holds)."""
+    ckpt = dense_mtp_view(cfg, qc, ckpt, check=verify_values, source=os.path.join(ckpt.folder, "config.json"))
     keys = ckpt.keys()
     prefix = text_prefix(keys)
     skipped = [k for k in keys if k.startswith(SKIPPED_PREFIXES)]
@@ -195,13 +198,13 @@ def _structure(cfg: TextConfig, qc, ckpt: Checkpoint, dtype):
     leaves = variable_shapes(model)
     targets = expected_tensors(model, leaves, fused_experts=expert_layouts(keys), text_prefix=prefix)
     _check(ckpt, targets, set(skipped))
-    return model, leaves, targets, skipped
+    return model, leaves, targets, skipped, ckpt
 
 
 def load_from_view(cfg: TextConfig, qc, ckpt: CheckpointView, dtype, *, progress: bool | None = False,
                    plan=None, verify: bool = False) -> Qwen3_5MoeForCausalLM:
     """The model of ``cfg`` (quantized as ``qc`` says) with every tensor of ``ckpt`` in its variables."""
-    model, leaves, targets, skipped = _structure(cfg, qc, ckpt, dtype)
+    model, leaves, targets, skipped, ckpt = _structure(cfg, qc, ckpt, dtype)
     if skipped:
         logger.warning("%s: skipping %d vision tensors (model.visual.*): qjax runs the text model",
                        ckpt.folder, len(skipped))

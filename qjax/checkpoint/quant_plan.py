@@ -22,7 +22,7 @@ class QuantLoadError(ValueError):
     """Quantized tensors that do not agree with ``quantization_config`` (names the file/tensor and the group)."""
 
 
-def _stored_format(name: str, keys: set[str], dtype_of) -> str | None:
+def stored_format(name: str, keys: set[str], dtype_of) -> str | None:
     """'int', 'mxfp8' or None (dense), from the tensors present for module ``name``."""
     if f"{name}.weight_packed" in keys:
         return "int"
@@ -33,8 +33,11 @@ def _stored_format(name: str, keys: set[str], dtype_of) -> str | None:
     return None
 
 
-def _meta(name: str, scheme: WeightScheme | None, fmt: str, out_in: tuple[int, int], scale_dtype: str,
-          source: str) -> QuantMeta:
+def module_meta(name: str, scheme: WeightScheme | None, fmt: str, out_in: tuple[int, int], scale_dtype: str,
+                source: str) -> QuantMeta:
+    """The kernel description of module ``name`` stored as ``fmt`` (:func:`stored_format`) with its config
+    ``scheme``; a module no group targets, a format that differs from its group's, or a group size that does not
+    divide the input columns is a :class:`QuantLoadError` naming the module."""
     if scheme is None:
         raise QuantLoadError(f"{name}: stored quantized ({fmt}) but no config_group of {source} targets it "
                              "(or it is in 'ignore')")
@@ -87,9 +90,10 @@ def plan_quantization(cfg: TextConfig, qc: QuantizationConfig | None, keys: set[
         stem = f"{text_prefix}layers.{i}."
         entries: dict[str, QuantMeta] = {}
         for rel, out_in in layer_linears(cfg, kind).items():
-            fmt = _stored_format(stem + rel, keys, dtype_of)
+            fmt = stored_format(stem + rel, keys, dtype_of)
             if fmt is not None:
-                entries[rel] = _meta(stem + rel, scheme(stem + rel), fmt, out_in, scale_dtype(stem + rel), source)
+                entries[rel] = module_meta(stem + rel, scheme(stem + rel), fmt, out_in, scale_dtype(stem + rel),
+                                           source)
         gate_up, down = _expert_metas(cfg, stem, keys, dtype_of, scheme, scale_dtype, source)
         if gate_up is not None:
             entries["mlp.experts.gate_up_proj"] = gate_up
@@ -98,10 +102,10 @@ def plan_quantization(cfg: TextConfig, qc: QuantizationConfig | None, keys: set[
         layers.append(tuple(sorted(entries.items())))
 
     lm_head = None
-    fmt = _stored_format("lm_head", keys, dtype_of)
+    fmt = stored_format("lm_head", keys, dtype_of)
     if fmt is not None:
-        lm_head = _meta("lm_head", scheme("lm_head"), fmt, (cfg.vocab_size, cfg.hidden_size), scale_dtype("lm_head"),
-                        source)
+        lm_head = module_meta("lm_head", scheme("lm_head"), fmt, (cfg.vocab_size, cfg.hidden_size),
+                              scale_dtype("lm_head"), source)
 
     kv = None
     kv_dtype = "float32"
@@ -133,12 +137,12 @@ def _expert_metas(cfg, stem, keys, dtype_of, scheme, scale_dtype, source):
     for e in range(cfg.num_experts):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             name = f"{stem}mlp.experts.{e}.{proj}"
-            fmt = _stored_format(name, keys, dtype_of)
+            fmt = stored_format(name, keys, dtype_of)
             sig = None
             if fmt is not None:
                 sc = scheme(name)
                 out_in = (h, inter) if proj == "down_proj" else (inter, h)
-                sig = (proj == "down_proj", _meta(name, sc, fmt, out_in, scale_dtype(name), source))
+                sig = (proj == "down_proj", module_meta(name, sc, fmt, out_in, scale_dtype(name), source))
             found.setdefault((proj == "down_proj", sig), []).append(name)
     sigs = {k for k in found}
     gate_up = {s for (is_down, s) in sigs if not is_down}

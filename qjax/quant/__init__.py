@@ -1,4 +1,5 @@
-"""Compressed-tensors quantization support: config parsing (``config``) and bit-exact codecs (``packing``).
+"""Compressed-tensors quantization support: config parsing (``config``) and bit-exact codecs (``packing``); what
+stays unquantized unless a recipe names it (``unquantized``: the MTP head, the vision tower).
 
 Formats handled (see docs/formats.md): ``pack-quantized`` INT2/INT4/INT8 weights (symmetric or with packed zero
 points; group, channel or tensor scales) and ``mxfp8-quantized`` weights (E4M3 values, E8M0 scales per 32 columns),
