@@ -255,6 +255,30 @@ def split_novel(paras: list[str]) -> tuple[list[str], list[str], list[str], list
     return paras[:h0], paras[h0:h1], paras[h1:c1], paras[c1:]
 
 
+def corpus_splits(novels: dict[str, list[str]]) -> tuple[list[tuple[str, str]], str, str]:
+    """(per novel in NOVELS order: its training text before and after the held-out blocks, held-out text,
+    calibration text): the splits of the module docstring."""
+    train_parts, held, calib = [], [], []
+    for name in NOVELS:
+        before, h, c, after = split_novel(paragraphs(novels[name]))
+        train_parts.append(("\n\n".join(before), "\n\n".join(after)))
+        held.append("\n\n".join(h))
+        calib.append("\n\n".join(c))
+    return train_parts, "\n\n".join(held) + "\n", "\n\n".join(calib) + "\n"
+
+
+def training_stream(tok, train_parts: list[tuple[str, str]], eot: int) -> np.ndarray:
+    """The training token stream ``[N]`` int32: each part followed by a paragraph break, a novel's last break
+    replaced by ``eot`` (<|endoftext|>)."""
+    stream = []
+    for before, after in train_parts:
+        for part in (before, after):
+            stream.extend(tok.encode(part).ids)
+            stream.extend(tok.encode("\n\n").ids)
+        stream[-len(tok.encode("\n\n").ids):] = [eot]  # a novel ends with <|endoftext|>
+    return np.asarray(stream, np.int32)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------------------------------
@@ -302,13 +326,7 @@ def main(argv=None) -> int:
     missing = set(NOVELS) - set(novels)
     if missing:
         raise SystemExit(f"corpus lacks {sorted(missing)}")
-    train_parts, held, calib = [], [], []
-    for name in NOVELS:
-        before, h, c, after = split_novel(paragraphs(novels[name]))
-        train_parts.append(("\n\n".join(before), "\n\n".join(after)))
-        held.append("\n\n".join(h))
-        calib.append("\n\n".join(c))
-    heldout_text, calib_text = "\n\n".join(held) + "\n", "\n\n".join(calib) + "\n"
+    train_parts, heldout_text, calib_text = corpus_splits(novels)
     n_train_chars = sum(len(x) + len(y) for x, y in train_parts)
     say(f"corpus: {source}; train {n_train_chars:,} chars, held-out {len(heldout_text):,}, "
         f"calibration {len(calib_text):,}")
@@ -319,13 +337,7 @@ def main(argv=None) -> int:
                           vocab_size=MODEL_CONFIG["vocab_size"])
     tok_files = save_tokenizer(tok, work)
     eot = tok.token_to_id(ENDOFTEXT)
-    stream = []
-    for before, after in train_parts:
-        for part in (before, after):
-            stream.extend(tok.encode(part).ids)
-            stream.extend(tok.encode("\n\n").ids)
-        stream[-len(tok.encode("\n\n").ids):] = [eot]  # a novel ends with <|endoftext|>
-    train_ids = np.asarray(stream, np.int32)
+    train_ids = training_stream(tok, train_parts, eot)
     held_ids = np.asarray(tok.encode(heldout_text).ids, np.int32)
     say(f"tokenizer: vocab {tok.get_vocab_size()}, train {train_ids.size:,} tokens "
         f"({n_train_chars / train_ids.size:.2f} chars/token), held-out {held_ids.size:,} tokens")

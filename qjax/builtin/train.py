@@ -15,6 +15,15 @@ What the loop does:
 
 The training forward (:func:`forward_train`) is the model's own forward — same modules, same layer-group scan — that
 also returns the router logits' balancing loss; a test checks its logits equal :meth:`Qwen3_5MoeForCausalLM.forward`'s.
+
+The MTP head (``model.mtp``, the speculative drafter) trains on its own over a frozen body:
+
+    model = add_mtp_head(qjax.load_model(path, dtype="float32"))
+    model, log = train_mtp(model, batches(train_ids, tc.batch, tc.seqlen + 1, seed=0), tc)
+    stats = mtp_accuracy(model, heldout_ids, seqlen=256)  # top-1 vs token t+2, agreement with the main model
+
+Only ``mtp.*`` parameters get gradients and optimiser state; the body's hidden states come from its inference forward
+under ``stop_gradient``; the tied embedding / lm_head, shared with the body, stays frozen too.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from flax import nnx
 from qjax.evaluation import evaluate
 from qjax.model.config import LINEAR
 from qjax.model.moe import route
-from qjax.model.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from qjax.model.qwen3_5_moe import MTP, Qwen3_5MoeForCausalLM
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -142,24 +151,29 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, aux_loss_coef: float) -> Callable:
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss: Callable) -> Callable:
     """``step(params, rest, opt_state, tokens [B, T+1], lr) → (params, opt_state, metrics)``, jitted with params
-    and optimiser state donated."""
+    and optimiser state donated. ``loss(model, tokens) → (scalar, {name: scalar})`` (:func:`next_token_loss`,
+    :func:`mtp_loss`); ``params`` are the variables it differentiates, ``rest`` everything else of the model."""
 
     def loss_fn(params, rest, tokens):
-        model = nnx.merge(graphdef, params, rest)
-        logits, aux = forward_train(model, tokens[:, :-1])
-        ce = cross_entropy(logits, tokens[:, 1:])
-        return ce + aux_loss_coef * aux, (ce, aux)
+        return loss(nnx.merge(graphdef, params, rest), tokens)
 
     @functools.partial(jax.jit, donate_argnums=(0, 2))
     def step(params, rest, opt_state, tokens, lr):
-        (loss, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
+        (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
-        return params, opt_state, {"loss": loss, "ce": ce, "aux": aux, "grad_norm": optax.tree.norm(grads)}
+        return params, opt_state, {"loss": value, **metrics, "grad_norm": optax.tree.norm(grads)}
 
     return step
+
+
+def next_token_loss(model: Qwen3_5MoeForCausalLM, tokens: jnp.ndarray, aux_loss_coef: float):
+    """``tokens [B, T+1]`` → (CE of tokens 1..T + ``aux_loss_coef`` · balancing loss, {"ce", "aux"})."""
+    logits, aux = forward_train(model, tokens[:, :-1])
+    ce = cross_entropy(logits, tokens[:, 1:])
+    return ce + aux_loss_coef * aux, {"ce": ce, "aux": aux}
 
 
 def batches(ids: np.ndarray, batch: int, seqlen: int, *, seed: int = 0) -> Iterator[np.ndarray]:
@@ -184,10 +198,20 @@ def train(model: Qwen3_5MoeForCausalLM, data: Iterator[np.ndarray], tc: TrainCon
     the start of the call). The cosine schedule then spans the shortened run, which is fixed before warmup ends when
     ``probe_steps < tc.warmup_steps`` (so the run equals a plain run of that many steps).
     """
+    loss = functools.partial(next_token_loss, aux_loss_coef=tc.aux_loss_coef)
+    return _fit(model, nnx.Param, loss, data, tc, time_budget_s=time_budget_s, probe_steps=probe_steps,
+                log_every=log_every, callback=callback)
+
+
+def _fit(model, trainable, loss: Callable, data: Iterator[np.ndarray], tc: TrainConfig, *,
+         time_budget_s: float | None, probe_steps: int, log_every: int,
+         callback: Callable[[int, dict], None] | None) -> tuple[Qwen3_5MoeForCausalLM, list[dict]]:
+    """The loop behind :func:`train` and :func:`train_mtp` (its docstring): AdamW on the variables matching the nnx
+    filter ``trainable``; every other variable is passed to the step unchanged and never written."""
     optimizer = make_optimizer(tc)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, trainable, ...)
     opt_state = optimizer.init(params)
-    step_fn = make_train_step(graphdef, optimizer, tc.aux_loss_coef)
+    step_fn = make_train_step(graphdef, optimizer, loss)
     log: list[dict] = []
     acc: dict[str, float] = {}
     n_acc = 0
@@ -223,8 +247,95 @@ def train(model: Qwen3_5MoeForCausalLM, data: Iterator[np.ndarray], tc: TrainCon
             if callback is not None:
                 callback(i, entry)
             acc, n_acc = {}, 0
-    nnx.update(model, params, rest)
+    nnx.update(model, params)
     return model, log
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the MTP head
+# ---------------------------------------------------------------------------------------------------------------------
+# the head's trainable variables: every nnx.Param under ``model.mtp`` (the tied embedding it reads is the body's)
+MTP_PARAMS = nnx.All(nnx.Param, nnx.PathContains("mtp"))
+MTP_INITS = ("random", "identity", "copy")
+
+
+def add_mtp_head(model: Qwen3_5MoeForCausalLM, *, init: str = "random", seed: int = 0) -> Qwen3_5MoeForCausalLM:
+    """Give ``model`` (in place) a fresh one-layer MTP head, in the model's dtype, and return it.
+
+    ``init``:
+      - ``"random"``: the head's own init (normal(initializer_range) matrices, zero norm offsets);
+      - ``"identity"``: as random, but ``fc``'s hidden half is the identity, so the head starts by passing
+        ``pre_fc_norm_hidden(h_t)`` — a normalised copy of the residual stream the frozen lm_head reads — through a
+        near-zero residual layer: its first logits are the main model's own (for t+1) instead of noise;
+      - ``"copy"``: as identity, plus the decoder layer and ``mtp.norm`` copied from the body's last full-attention
+        layer and final norm (trained attention + MoE weights that already read that residual stream).
+
+    Random is the default because it trained best on the built-in model (benchmarks/train_mtp_head.py, held-out
+    agreement with the main model's greedy token after 60 steps: random 0.519, identity 0.483, copy 0.492; after
+    200: random 0.617, identity 0.605; the loss agreed) — presumably because the identity start predicts token t+1,
+    which the head then has to unlearn.
+    """
+    if init not in MTP_INITS:
+        raise ValueError(f"init must be one of {MTP_INITS}, got {init!r}")
+    cfg = model.config
+    # nnx.data: a model built without a head holds ``mtp = None`` as a static attribute
+    model.mtp = nnx.data(MTP(cfg, dtype=model.dtype, rngs=nnx.Rngs(seed)))
+    if init in ("identity", "copy"):
+        h = cfg.hidden_size
+        w = model.mtp.fc.weight  # [H, 2H]: columns [embedding | hidden] (MTP.__call__'s concatenation order)
+        w[...] = w[...].at[:, h:].set(jnp.eye(h, dtype=w[...].dtype))
+    if init == "copy":
+        last = max(i for i, kind in enumerate(model.layer_kinds) if kind != LINEAR)  # position in the layer group
+        # copies, not views: the trainer donates the head's buffers, which must not be the body's
+        body = jax.tree.map(lambda x: jnp.copy(x[-1]), nnx.state(model.groups.layers[last]))  # last group: the top
+        nnx.update(model.mtp.layers[0], body)
+        nnx.update(model.mtp.norm, jax.tree.map(jnp.copy, nnx.state(model.norm)))
+    return model
+
+
+def mtp_forward_train(model: Qwen3_5MoeForCausalLM, next_ids: jnp.ndarray,
+                      hidden: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Traceable MTP head without cache, with its MoE balancing loss: (logits of token t+2 ``[B, T, V]`` fp32, mean
+    balancing loss over the head's layers).
+
+    Args:
+      next_ids: ``[B, T]`` the token at t+1 (position t+1); hidden: ``[B, T, H]`` the body's post-final-norm hidden
+        at t. :meth:`Qwen3_5MoeForCausalLM.mtp_logits` computes the same logits (a test checks it); this copy of
+        ``MTP.__call__`` exists to return the router loss, as :func:`forward_train` does for the body.
+    """
+    b, t = next_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(1, t + 1, dtype=jnp.int32), (b, t))
+    ctx, _ = model.step_context(next_ids, None, positions, None)
+    head = model.mtp
+    y = head.fc(jnp.concatenate([head.pre_fc_norm_embedding(model.embed(next_ids)), head.pre_fc_norm_hidden(hidden)],
+                                axis=-1))
+    auxes = []
+    for layer in head.layers:
+        y, aux = _layer_with_aux(layer, y, ctx)
+        auxes.append(aux)
+    return model.logits_from_hidden(head.norm(y)), jnp.mean(jnp.stack(auxes))
+
+
+def mtp_loss(model: Qwen3_5MoeForCausalLM, tokens: jnp.ndarray, aux_loss_coef: float):
+    """``tokens [B, T+2]`` → (mean CE of the head's prediction of tokens 2..T+1 + ``aux_loss_coef`` · the head's
+    balancing loss, {"ce", "aux"}). The body runs on tokens 0..T-1 (the hidden h_t of each predicting position)."""
+    hidden = jax.lax.stop_gradient(model.forward(tokens[:, :-2], last_only=True).hidden)  # frozen: no backward
+    logits, aux = mtp_forward_train(model, tokens[:, 1:-1], hidden)
+    ce = cross_entropy(logits, tokens[:, 2:])
+    return ce + aux_loss_coef * aux, {"ce": ce, "aux": aux}
+
+
+def train_mtp(model: Qwen3_5MoeForCausalLM, data: Iterator[np.ndarray], tc: TrainConfig, *,
+              time_budget_s: float | None = None, probe_steps: int = 10, log_every: int = 50,
+              callback: Callable[[int, dict], None] | None = None) -> tuple[Qwen3_5MoeForCausalLM, list[dict]]:
+    """Train ``model.mtp`` in place (the body, embedding and lm_head frozen, bit for bit) with :func:`mtp_loss` on
+    ``data`` windows ``[B, T+2]`` (``batches(ids, B, T + 1)``: the body sees T tokens, the head predicts T); the rest
+    as :func:`train` (time budget, schedule, log)."""
+    if model.mtp is None:
+        raise ValueError("the model has no MTP head: add_mtp_head(model) first")
+    loss = functools.partial(mtp_loss, aux_loss_coef=tc.aux_loss_coef)
+    return _fit(model, MTP_PARAMS, loss, data, tc, time_budget_s=time_budget_s, probe_steps=probe_steps,
+                log_every=log_every, callback=callback)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -233,6 +344,55 @@ def train(model: Qwen3_5MoeForCausalLM, data: Iterator[np.ndarray], tc: TrainCon
 # held-out perplexity is qjax.evaluation.evaluate's (also behind ``qjax eval ppl``), so training logs and the CLI agree
 mean_nll = evaluate.mean_nll
 perplexity = evaluate.perplexity
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _mtp_window_stats(graphdef, state, tokens):
+    """``tokens [B, T+2]`` → per window (NLL sum of tokens 2..T+1 under the head, head top-1 hits, agreement with the
+    main model's greedy token at the same position, the main model's own top-1 hits) ``[B]`` each, and the main
+    model's greedy tokens ``[B, T]``."""
+    model = nnx.merge(graphdef, state)
+    out = model.forward(tokens[:, :-1])  # logits [B, T+1, V]: row t+1 is the main model's guess for token t+2
+    head = model.mtp_logits(tokens[:, :-1], out.hidden)  # [B, T, V]: row t predicts token t+2
+    target = tokens[:, 2:]
+    logp = jax.nn.log_softmax(head.astype(jnp.float32), axis=-1)
+    nll = -jnp.sum(jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0], axis=1)
+    draft, greedy = jnp.argmax(head, axis=-1), jnp.argmax(out.logits[:, 1:], axis=-1)
+    hits = lambda a, b: jnp.sum(a == b, axis=1)
+    return (nll, hits(draft, target), hits(draft, greedy), hits(greedy, target)), greedy
+
+
+def mtp_accuracy(model: Qwen3_5MoeForCausalLM, ids, seqlen: int = 256, batch: int = 8) -> dict[str, float]:
+    """Held-out quality of the MTP head on ``ids [N]`` in non-overlapping windows of ``seqlen + 2`` tokens (stride
+    ``seqlen``; each window scores its last ``seqlen`` tokens, so every token after the first two is scored once).
+
+    Returns:
+      ``loss`` (mean NLL of token t+2, nats); ``top1``: how often the head's argmax is token t+2; ``agree``: how
+      often it equals the main model's greedy token at t+2 (given the true token at t+1) — a greedy draft's
+      acceptance rate; ``main_top1``: the main model's accuracy on the same targets (from every token up to t+1,
+      through the whole body: the reference for ``top1``); ``agree_mode``: the agreement of always drafting the
+      main model's most frequent greedy token (the chance level); ``tokens``: how many were scored.
+    """
+    ids = np.asarray(ids, np.int32).reshape(-1)
+    n_win = (ids.size - 2) // seqlen
+    if n_win < 1:
+        raise ValueError(f"need at least {seqlen + 2} tokens, got {ids.size}")
+    wins = np.stack([ids[i * seqlen:i * seqlen + seqlen + 2] for i in range(n_win)])
+    graphdef, state = nnx.split(model)
+    sums = np.zeros(4, np.float64)
+    greedy = []
+    for s in range(0, n_win, batch):
+        chunk = wins[s:s + batch]
+        n = chunk.shape[0]
+        if n < batch:  # one compiled shape: pad with repeats of the first window, not counted
+            chunk = np.concatenate([chunk, np.repeat(chunk[:1], batch - n, axis=0)])
+        stats, g = _mtp_window_stats(graphdef, state, jnp.asarray(chunk))
+        sums += [float(np.sum(np.asarray(x, np.float64)[:n])) for x in stats]
+        greedy.append(np.asarray(g)[:n].reshape(-1))
+    n_tok = n_win * seqlen
+    mode = np.bincount(np.concatenate(greedy)).max()
+    return {"loss": sums[0] / n_tok, "top1": sums[1] / n_tok, "agree": sums[2] / n_tok, "main_top1": sums[3] / n_tok,
+            "agree_mode": float(mode) / n_tok, "tokens": n_tok}
 
 
 def unigram_nll(train_ids, eval_ids, vocab_size: int) -> float:
