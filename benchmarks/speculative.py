@@ -65,11 +65,13 @@ def w2w4_export(folder: str, iters: int) -> str:
 
     with open(os.path.join(folder, "model.safetensors"), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    out = os.path.join(os.path.expanduser("~/.cache/qjax/bench"), f"default-{digest}-w2w4-autoround-{iters}")
+    out = os.path.join(os.path.expanduser("~/.cache/qjax/bench"), f"default-{digest}-w2w4-autoround-{iters}-128x256")
     if not os.path.isfile(os.path.join(out, "config.json")):
         print(f"quantizing the built-in model to w2w4 (AutoRound, {iters} iters) → {out}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        quantize_folder(folder, out, AutoRoundConfig(**W2W4, iters=iters), dataset=os.path.join(folder, "calib.txt"))
+        # calibration as benchmarks/quality.py: 128 windows of 256 tokens of calib.txt, batch 8
+        quantize_folder(folder, out, AutoRoundConfig(**W2W4, iters=iters, nsamples=128, seqlen=256, batch_size=8),
+                        dataset=os.path.join(folder, "calib.txt"))
         print(f"  {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return out
 

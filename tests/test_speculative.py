@@ -48,6 +48,33 @@ def test_greedy_speculative_equals_plain_greedy(mtp_model, k):
     assert 1.0 <= stats.mean_accepted_length <= k + 1 and len(stats.acceptance_per_position) == k
 
 
+def test_builtin_model_speculates_the_same_tokens():
+    """The built-in model and its trained head (qjax/assets/default): greedy speculation emits plain greedy's tokens
+    for held-out prompts of different lengths in one left-padded batch, k = 1 … 4, and its drafts are accepted far
+    more often than a random head's (acceptance means something: the head is trained)."""
+    from qjax.checkpoint.hub import default_model_dir
+    from qjax.tokenizer import Tokenizer
+
+    folder = default_model_dir()
+    model = qjax.load_model(folder, dtype=jnp.float32)
+    tok = Tokenizer.from_folder(folder)
+    texts = ["It is a truth universally acknowledged, that a single man", "Emma Woodhouse,",
+             "The family of Dashwood had long been settled in Sussex."]
+    rows = [tok.encode(t) for t in texts]
+    width = max(map(len, rows))
+    ids = np.zeros((len(rows), width), np.int32)
+    mask = np.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
+    kw = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=[], do_sample=False)
+    plain = qjax.generate(model, ids, **kw)
+    for k in (1, 2, 3, 4):
+        spec, stats = qjax.generate(model, ids, speculative="mtp", num_speculative_tokens=k, return_stats=True, **kw)
+        np.testing.assert_array_equal(spec, plain)
+        if k == 1:
+            assert stats.acceptance_per_position[0] > 0.3, stats  # a random head is right ~1/4096 of the time
+
+
 def test_verify_round_accepts_exactly_the_agreeing_drafts(mtp_model):
     """Drafts cut from plain greedy decoding: right for the first j tokens of each row, then wrong — the round
     accepts j, emits the greedy tokens, and the next round continues the greedy sequence."""

@@ -155,12 +155,8 @@ def prefill(graphdef, state, cache: Cache, mtp_cache: Cache, ids, mask, keys, sa
     return first, drafts, out.cache, mtp_cache, keys
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
-def verify_round(graphdef, state, cache: Cache, mtp_cache: Cache, last, drafts, keys, sampling: SamplingArrays):
-    """One round (module docstring). ``last [B]``: each row's last emitted token (not yet in the cache); ``drafts
-    [B, k]``; ``keys [B]``: the rows' PRNG keys. Returns (``tokens [B, k + 1]``, of which row b emits the first
-    ``consumed[b]``; ``consumed [B]`` in 1 … k+1; next drafts ``[B, k]``; cache; MTP cache; keys)."""
-    model = nnx.merge(graphdef, state)
+def _round(model, cache: Cache, mtp_cache: Cache, last, drafts, keys, sampling: SamplingArrays):
+    """:func:`verify_round`'s body (traced inside other programs too)."""
     k = drafts.shape[1]
     start = cache.positions  # [B] position of `last`
     out = model.forward(jnp.concatenate([last[:, None], drafts], axis=1), cache=cache, keep_steps=True)
@@ -171,6 +167,60 @@ def verify_round(graphdef, state, cache: Cache, mtp_cache: Cache, last, drafts, 
     next_drafts, mtp_cache = propose(model, tokens, out.hidden, mtp_cache, steps < consumed[:, None],
                                      start[:, None] + steps + 1, consumed - 1, k)
     return tokens, consumed, next_drafts, cache, mtp_cache, keys
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
+def verify_round(graphdef, state, cache: Cache, mtp_cache: Cache, last, drafts, keys, sampling: SamplingArrays):
+    """One round (module docstring). ``last [B]``: each row's last emitted token (not yet in the cache); ``drafts
+    [B, k]``; ``keys [B]``: the rows' PRNG keys. Returns (``tokens [B, k + 1]``, of which row b emits the first
+    ``consumed[b]``; ``consumed [B]`` in 1 … k+1; next drafts ``[B, k]``; cache; MTP cache; keys)."""
+    return _round(nnx.merge(graphdef, state), cache, mtp_cache, last, drafts, keys, sampling)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 8, 9))  # the caches end inside: nothing to donate them to
+def round_loop(graphdef, state, cache: Cache, mtp_cache: Cache, first, drafts, keys, sampling: SamplingArrays,
+               max_new_tokens: int, eos: tuple[int, ...]):
+    """Every round after the prefill in one program (a ``while_loop``, as plain ``generate`` decodes: no host round
+    trip per round). ``first [B]``: the prefill's token. Returns (``tokens [B, max_new_tokens]`` — each row's emitted
+    tokens up to and including its stop token, then -1 —, per row the count emitted, and the stats counters: rounds,
+    row-rounds, tokens emitted in them, ``[k]`` accepted per draft position), the same bookkeeping as :func:`rounds`."""
+    model = nnx.merge(graphdef, state)
+    b, k = drafts.shape
+    n = max_new_tokens
+    stop = jnp.asarray(eos if eos else (-1,), jnp.int32)
+
+    def is_stop(t):
+        return jnp.any(t[..., None] == stop, axis=-1)
+
+    out = jnp.full((b, n), -1, jnp.int32).at[:, 0].set(first)
+    count = jnp.ones((b,), jnp.int32)
+    done = is_stop(first) | (n == 1)
+    zero = jnp.zeros((), jnp.int32)
+    init = (cache, mtp_cache, first, drafts, keys, out, count, done, zero, zero, zero, jnp.zeros((k,), jnp.int32))
+
+    def body(carry):
+        cache, mtp_cache, last, drafts, keys, out, count, done, rounds, row_rounds, emitted, accepted_at = carry
+        tokens, consumed, drafts, cache, mtp_cache, keys = _round(model, cache, mtp_cache, last, drafts, keys,
+                                                                  sampling)
+        live = ~done
+        j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+        taken = j < consumed[:, None]
+        stops = taken & is_stop(tokens)
+        # a row emits up to its first stop token and at most what max_new_tokens leaves it
+        upto = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, consumed)
+        emit = jnp.where(live, jnp.minimum(upto, n - count), 0)
+        at = jnp.where(j < emit[:, None], count[:, None] + j, n)  # n: out of range, dropped
+        out = out.at[jnp.arange(b)[:, None], at].set(tokens, mode="drop")
+        count = count + emit
+        done = done | (live & (jnp.any(stops, axis=1) | (count >= n)))
+        last = jnp.take_along_axis(tokens, (consumed - 1)[:, None], axis=1)[:, 0]
+        live_i = live.astype(jnp.int32)
+        accepted_at = accepted_at + jnp.sum(live_i[:, None] * (jnp.arange(k)[None, :] < consumed[:, None] - 1), 0)
+        return (cache, mtp_cache, last, drafts, keys, out, count, done, rounds + 1, row_rounds + jnp.sum(live_i),
+                emitted + jnp.sum(live_i * consumed), accepted_at)
+
+    carry = jax.lax.while_loop(lambda c: ~jnp.all(c[7]), body, init)
+    return carry[5], carry[6], carry[8:]
 
 
 def row_keys(seed: int, batch: int) -> jax.Array:
@@ -229,17 +279,27 @@ def rounds(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...
 def generate_speculative(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...], pad: int,
                          sampling: SamplingArrays | None = None, keys: jax.Array | None = None
                          ) -> tuple[np.ndarray, SpeculativeStats]:
-    """All of :func:`rounds` at once: (``[B, T + n]`` prompts and new tokens, rows that stopped padded with ``pad``;
-    the stats) — greedy: the same tokens as plain greedy ``generate``; sampling: tokens from the same distribution."""
-    stats = SpeculativeStats(num_speculative_tokens=k)
-    out = [[] for _ in range(ids.shape[0])]
-    for new, _ in rounds(model, ids, mask, max_new_tokens=max_new_tokens, k=k, eos=eos, stats=stats,
-                         sampling=sampling, keys=keys):
-        for row, toks in zip(out, new):
-            row.extend(toks)
-    b = ids.shape[0]
-    n_new = max(len(row) for row in out)
-    new = np.full((b, n_new), pad, np.int32)
-    for r, row in enumerate(out):
-        new[r, :len(row)] = row
+    """The prefill, then every round in one program (:func:`round_loop`): (``[B, T + n]`` prompts and new tokens,
+    rows that stopped padded with ``pad``; the stats) — greedy: the same tokens as plain greedy ``generate``;
+    sampling: tokens from the same distribution; the same tokens and stats as :func:`rounds` round by round."""
+    if model.mtp is None:
+        raise ValueError("speculative='mtp' needs the checkpoint's MTP head, but it has no mtp.* weights")
+    if k < 1:
+        raise ValueError(f"num_speculative_tokens must be ≥ 1, got {k}")
+    b, t = ids.shape
+    size = t + max_new_tokens + k + 1
+    cache = model.init_cache(b, size, spec_tokens=k + 1)
+    mtp_cache = model.init_mtp_cache(b, size)
+    sampling = SamplingArrays.zeros(b) if sampling is None else sampling
+    keys = row_keys(0, b) if keys is None else keys
+    graphdef, state = nnx.split(model)
+    first, drafts, cache, mtp_cache, keys = prefill(graphdef, state, cache, mtp_cache, jnp.asarray(ids, jnp.int32),
+                                                    jnp.asarray(mask, jnp.int32), keys, sampling, k)
+    out, count, counters = round_loop(graphdef, state, cache, mtp_cache, first, drafts, keys, sampling,
+                                      max_new_tokens, tuple(eos))
+    out, count = np.asarray(out), np.asarray(count)
+    rounds_, row_rounds, emitted, accepted_at = (np.asarray(c) for c in counters)
+    stats = SpeculativeStats(num_speculative_tokens=k, rounds=int(rounds_), row_rounds=int(row_rounds),
+                             emitted=int(emitted), accepted_at=[int(a) for a in accepted_at])
+    new = np.where(out >= 0, out, pad).astype(np.int32)[:, :int(count.max())]
     return np.concatenate([np.asarray(ids, np.int32), new], axis=1), stats
