@@ -228,6 +228,24 @@ def row_keys(seed: int, batch: int) -> jax.Array:
     return jax.random.split(jax.random.key(seed), batch)
 
 
+def _prefilled(model, ids, mask, max_new_tokens: int, k: int, sampling: SamplingArrays, keys):
+    """Checks, both caches sized for the run, and the prefill: (graphdef, state, first token, drafts, cache, MTP cache,
+    keys) — the start of :func:`rounds` and :func:`generate_speculative`."""
+    if model.mtp is None:
+        raise ValueError("speculative='mtp' needs the checkpoint's MTP head, but it has no mtp.* weights")
+    if k < 1:
+        raise ValueError(f"num_speculative_tokens must be ≥ 1, got {k}")
+    b, t = ids.shape
+    # a verify call writes k + 1 slots past a row's length: room for the last one past max_new_tokens
+    size = t + max_new_tokens + k + 1
+    keys = row_keys(0, b) if keys is None else keys
+    graphdef, state = nnx.split(model)
+    first, drafts, cache, mtp_cache, keys = prefill(graphdef, state, model.init_cache(b, size, spec_tokens=k + 1),
+                                                    model.init_mtp_cache(b, size), jnp.asarray(ids, jnp.int32),
+                                                    jnp.asarray(mask, jnp.int32), keys, sampling, k)
+    return graphdef, state, first, drafts, cache, mtp_cache, keys
+
+
 def rounds(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...], stats: SpeculativeStats,
            sampling: SamplingArrays | None = None, keys: jax.Array | None = None
            ) -> Iterator[tuple[list[list[int]], list[bool]]]:
@@ -236,20 +254,10 @@ def rounds(model, ids, mask, *, max_new_tokens: int, k: int, eos: tuple[int, ...
     ``max_new_tokens``). ``stats`` is updated as it goes. ``ids``, ``mask``: ``[B, T]`` left-padded prompt (checked
     by the caller); ``sampling``: per-row settings (default greedy); ``keys [B]``: per-row PRNG keys (default
     :func:`row_keys` of seed 0)."""
-    if model.mtp is None:
-        raise ValueError("speculative='mtp' needs the checkpoint's MTP head, but it has no mtp.* weights")
-    if k < 1:
-        raise ValueError(f"num_speculative_tokens must be ≥ 1, got {k}")
-    b, t = ids.shape
-    # a verify call writes k + 1 slots past a row's length: room for the last one past max_new_tokens
-    size = t + max_new_tokens + k + 1
-    cache = model.init_cache(b, size, spec_tokens=k + 1)
-    mtp_cache = model.init_mtp_cache(b, size)
+    b = ids.shape[0]
     sampling = SamplingArrays.zeros(b) if sampling is None else sampling
-    keys = row_keys(0, b) if keys is None else keys
-    graphdef, state = nnx.split(model)
-    first, drafts, cache, mtp_cache, keys = prefill(graphdef, state, cache, mtp_cache, jnp.asarray(ids, jnp.int32),
-                                                    jnp.asarray(mask, jnp.int32), keys, sampling, k)
+    graphdef, state, first, drafts, cache, mtp_cache, keys = _prefilled(model, ids, mask, max_new_tokens, k,
+                                                                        sampling, keys)
     new = [[int(x)] for x in np.asarray(first)]
     count = [1] * b
     done = [row[0] in eos or max_new_tokens == 1 for row in new]
@@ -282,19 +290,9 @@ def generate_speculative(model, ids, mask, *, max_new_tokens: int, k: int, eos: 
     """The prefill, then every round in one program (:func:`round_loop`): (``[B, T + n]`` prompts and new tokens,
     rows that stopped padded with ``pad``; the stats) — greedy: the same tokens as plain greedy ``generate``;
     sampling: tokens from the same distribution; the same tokens and stats as :func:`rounds` round by round."""
-    if model.mtp is None:
-        raise ValueError("speculative='mtp' needs the checkpoint's MTP head, but it has no mtp.* weights")
-    if k < 1:
-        raise ValueError(f"num_speculative_tokens must be ≥ 1, got {k}")
-    b, t = ids.shape
-    size = t + max_new_tokens + k + 1
-    cache = model.init_cache(b, size, spec_tokens=k + 1)
-    mtp_cache = model.init_mtp_cache(b, size)
-    sampling = SamplingArrays.zeros(b) if sampling is None else sampling
-    keys = row_keys(0, b) if keys is None else keys
-    graphdef, state = nnx.split(model)
-    first, drafts, cache, mtp_cache, keys = prefill(graphdef, state, cache, mtp_cache, jnp.asarray(ids, jnp.int32),
-                                                    jnp.asarray(mask, jnp.int32), keys, sampling, k)
+    sampling = SamplingArrays.zeros(ids.shape[0]) if sampling is None else sampling
+    graphdef, state, first, drafts, cache, mtp_cache, keys = _prefilled(model, ids, mask, max_new_tokens, k,
+                                                                        sampling, keys)
     out, count, counters = round_loop(graphdef, state, cache, mtp_cache, first, drafts, keys, sampling,
                                       max_new_tokens, tuple(eos))
     out, count = np.asarray(out), np.asarray(count)
