@@ -44,7 +44,7 @@ from qjax.checkpoint.auto_round import (
     standard_regex,
 )
 from qjax.checkpoint.layout import checkpoint_tensors
-from qjax.checkpoint.source import export_tensors, opened_source
+from qjax.checkpoint.source import export_prefix, export_tensors, opened_source
 from qjax.model.linears import layer_linears
 from qjax.quant.packing import unpack_zero_point
 from qjax.quant.schemes import ArScheme, to_autoround
@@ -333,7 +333,7 @@ def save_autoround(model, out_dir: str | os.PathLike, *, overwrite: bool = False
 
     def write(folder: str) -> None:
         with opened_source(source) as src:
-            prefix = src.text_prefix if src is not None else TEXT_PREFIX
+            prefix = export_prefix(model, src)
             tensors = export_tensors(model, src, dtype=out_dtype)
             qc = autoround_quantization_config(model, tuning=tuning, layer_config=layer_config,
                                                packing_format=packing_format,

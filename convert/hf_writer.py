@@ -270,17 +270,24 @@ def preflight(out_dir: str | os.PathLike, need_bytes: int) -> None:
 def hf_config(model, out_dtype: np.dtype, source: Source | None = None) -> dict:
     """config.json of ``model`` (without quantization_config): ``qwen3_5_moe_text``, or — from a composite
     ``source`` — the source's own ``qwen3_5_moe`` config (vision config, token ids) with the model's text fields over
-    its ``text_config`` (fields qjax does not model, such as ``mamba_ssm_dtype``, are kept)."""
+    its ``text_config`` (fields qjax does not model, such as ``mamba_ssm_dtype``, are kept); without a source, a
+    model holding a vision tower gets a ``qwen3_5_moe`` config built from its own vision config."""
     hf_cfg = model.config.to_hf_dict()
     hf_cfg["dtype"] = out_dtype.name
     if getattr(model, "mtp", None) is not None:
         hf_cfg["mtp_num_hidden_layers"] = max(1, model.config.mtp_num_hidden_layers)
-    if source is None or not source.composite:
-        return hf_cfg
-    text = {**source.config["text_config"], **{k: v for k, v in hf_cfg.items() if k != "architectures"}}
-    out = {k: v for k, v in source.config.items() if k != "quantization_config"}
-    out.update(text_config=text, dtype=out_dtype.name)
-    return out
+    if source is not None and source.composite:
+        text = {**source.config["text_config"], **{k: v for k, v in hf_cfg.items() if k != "architectures"}}
+        out = {k: v for k, v in source.config.items() if k != "quantization_config"}
+        out.update(text_config=text, dtype=out_dtype.name)
+        return out
+    if source is None and getattr(model, "visual", None) is not None:  # the tower needs the composite config
+        vision = model.vision_config
+        text = {k: v for k, v in hf_cfg.items() if k != "architectures"}
+        return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+                "text_config": text, "vision_config": vision.to_hf_dict(), **vision.token_ids,
+                "tie_word_embeddings": model.config.tie_word_embeddings, "dtype": out_dtype.name}
+    return hf_cfg
 
 
 def generation_config(model) -> dict:

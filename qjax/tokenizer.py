@@ -52,7 +52,13 @@ CHATML_FALLBACK_TEMPLATE = (
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}"
     "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    # images and videos as the official Qwen3.5/Qwen3-VL template marks them (a 'type' or a key naming the medium);
+    # qjax.multimodal.positions.expand_image_tokens later widens each image pad to the image's token count
+    "{%- if part is mapping and (part['type'] in ('image', 'image_url') or 'image' in part or 'image_url' in part) %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part is mapping and (part['type'] in ('video', 'video_url') or 'video' in part) %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
     "{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- endfor %}"

@@ -42,12 +42,14 @@ def _rewrite(folder: str, edit) -> None:
     save_file(tensors, path)
 
 
-def test_official_layout_skips_vision_once_and_loads_mtp(official_dir, caplog):
+def test_official_layout_loads_vision_and_mtp_text_only_skips_vision_once(official_dir, caplog):
+    model = qjax.load_model(official_dir)
+    assert model.mtp is not None and model.visual is not None
     with caplog.at_level(logging.WARNING, logger="qjax"):
-        model = qjax.load_model(official_dir)
+        text = qjax.load_model(official_dir, text_only=True)
     said = [r.getMessage() for r in caplog.records if "model.visual" in r.getMessage()]
-    assert len(said) == 1 and "skipping" in said[0]
-    assert model.mtp is not None
+    assert len(said) == 1 and "skipping" in said[0] and "text-only" in said[0]
+    assert text.visual is None and text.vision_config == model.vision_config
 
 
 def test_dtype_defaults_to_checkpoint_and_can_be_overridden(tiny_hf):

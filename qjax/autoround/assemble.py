@@ -14,7 +14,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from qjax.autoround.rtn import dense_entries
+from qjax.autoround.rtn import dense_entries, vision_of
 from qjax.checkpoint.layout import packed_entries
 from qjax.checkpoint.loading import load_from_view
 from qjax.checkpoint.safetensors_io import dtype_name
@@ -91,8 +91,9 @@ def build_quantized_model(ar):
         merged[key] = (shape, dtype, get)
     merged.update(entries)
     ckpt = MemoryCheckpoint(os.path.join("<memory>", "autoround"), merged)
-    qmodel = load_from_view(mcfg, qc, ckpt, model.dtype)
+    qmodel = load_from_view(mcfg, qc, ckpt, model.dtype, **vision_of(model))
     qmodel.generation_config = getattr(model, "generation_config", None)
+    qmodel.image_processor = getattr(model, "image_processor", None)
     return qmodel
 
 

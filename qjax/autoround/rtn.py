@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from qjax.checkpoint.layout import (
+    VISUAL_PREFIX,
     checkpoint_tensors,
     expected_tensors,
     is_linear,
@@ -62,9 +63,17 @@ def quantize_model(model, qconfig: QuantizationConfig | dict):
         else:
             entries.update(quantized_entries(module, scheme, shape, get, weight_dtype, st_dtype))
     ckpt = MemoryCheckpoint(os.path.join("<memory>", "rtn"), entries)
-    quantized = load_from_view(model.config, qc, ckpt, model.dtype)
+    quantized = load_from_view(model.config, qc, ckpt, model.dtype, **vision_of(model))
     quantized.generation_config = getattr(model, "generation_config", None)
+    quantized.image_processor = getattr(model, "image_processor", None)
     return quantized
+
+
+def vision_of(model) -> dict:
+    """``load_from_view`` 's arguments that rebuild ``model`` 's vision tower as it is (config, dtype)."""
+    visual = getattr(model, "visual", None)
+    return {"vision": getattr(model, "vision_config", None), "text_only": visual is None,
+            "vision_dtype": None if visual is None else visual.dtype}
 
 
 def dense_entries(model):
@@ -73,8 +82,9 @@ def dense_entries(model):
                                fused_experts=per_expert_layout(model.config, mtp_layers=mtp_layers(model)),
                                text_prefix="model.")
     dtype = dtype_name(model.dtype)
+    tower = dtype_name(model.visual.dtype) if getattr(model, "visual", None) is not None else dtype
     for key, _, get in checkpoint_tensors(model):
-        yield key, tuple(targets[key].shape), dtype, get
+        yield key, tuple(targets[key].shape), tower if key.startswith(VISUAL_PREFIX) else dtype, get
 
 
 def quantized_entries(module: str, scheme, shape, get, weight_dtype, st_dtype) -> dict[str, tuple]:

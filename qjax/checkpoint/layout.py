@@ -4,7 +4,7 @@ RTN, AutoRound's assembly and the memory planner share.
 Accepted layouts (docs/model.md §6): text weights under ``model.language_model.`` (official composite checkpoints)
 or ``model.`` (text-only); routed experts fused (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj``,
 no ``.weight``) or per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``), chosen per layer; ``mtp.*`` for the
-MTP head; ``model.visual.*`` is not part of the text model. A packed linear ``name`` is stored the compressed-tensors
+MTP head; ``model.visual.*`` for the vision tower (its blocks stacked ``[depth, …]`` in the model). A packed linear ``name`` is stored the compressed-tensors
 way (docs/formats.md §3): ``name.weight_packed`` (I32) + ``name.weight_scale`` + ``name.weight_shape`` (+
 ``name.weight_zero_point`` when asymmetric), or for MXFP8 ``name.weight`` (F8_E4M3) + ``name.weight_scale`` (U8).
 """
@@ -26,7 +26,7 @@ from qjax.quant import schemes
 from qjax.quant.packing import pack_zero_point
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
-SKIPPED_PREFIXES = ("model.visual.",)
+VISUAL_PREFIX = "model.visual."  # the vision tower; skipped when the model is loaded text-only
 
 
 class LoadError(ValueError):
@@ -87,6 +87,12 @@ def expected_tensors(model, leaves: dict[tuple, jax.ShapeDtypeStruct], *, fused_
             _add_layer_keys(out, stem, path[3:], path, (), shape, fused_experts.get(stem, True), meta)
         elif path[0] == "mtp":
             out["mtp." + ".".join(map(str, path[1:]))] = Target(path, (0,) * len(shape), shape)
+        elif path[:2] == ("visual", "blocks"):  # the tower's stacked [depth, …] blocks
+            rest = ".".join(map(str, path[2:]))
+            for i in range(shape[0]):
+                out[f"{VISUAL_PREFIX}blocks.{i}.{rest}"] = Target(path, (i,) + (0,) * (len(shape) - 1), shape[1:])
+        elif path[0] == "visual":
+            out[VISUAL_PREFIX + ".".join(map(str, path[1:]))] = Target(path, (0,) * len(shape), shape)
         elif path == ("embed_tokens",):
             out[text_prefix + "embed_tokens.weight"] = Target(path, (0, 0), shape)
         elif path[0] == "lm_head" and meta is not None:
@@ -308,7 +314,8 @@ def checkpoint_tensors(model, *, fused_experts: bool | Mapping[str, bool] = Fals
         to whether that layer's are fused (:func:`expert_layouts` of another checkpoint), the others per expert.
         Quantized experts are always per expert.
       dtype: dtype of the float parameters on disk (default: the model dtype; ``A_log``/``dt_bias``, fp32 in memory,
-        follow it like transformers' checkpoints do). Quantization scales keep their own dtype.
+        follow it like transformers' checkpoints do). Quantization scales keep their own dtype, and the vision
+        tower the dtype it is held in.
       text_prefix: ``"model."`` (text-only checkpoints) or ``"model.language_model."`` (composite ones).
     """
     cfg = model.config
@@ -324,6 +331,11 @@ def checkpoint_tensors(model, *, fused_experts: bool | Mapping[str, bool] = Fals
     kv_dtype = np.dtype(jnp.dtype(quant.kv_scale_dtype)) if quant is not None else np.dtype(np.float32)
     per_tensor_kv = quant is not None and quant.kv_cache == "tensor"
 
+    def stored_dtype(t) -> np.dtype:
+        # the vision tower is written in the dtype it is held in (its checkpoint's, unless loaded otherwise): a
+        # checkpoint's BF16 tower stays BF16 next to a float32 or quantized body
+        return np.dtype(values[t.path].dtype) if t.path is not None and t.path[0] == "visual" else out_dtype
+
     def getter(t):
         def get() -> np.ndarray:
             if t.transform == "weight_shape":
@@ -334,8 +346,9 @@ def checkpoint_tensors(model, *, fused_experts: bool | Mapping[str, bool] = Fals
                 return pack_zero_point(host.astype(np.int8), t.info[0]).astype(np.int32)
             if t.transform == "kv_scale":
                 return (host[:1] if per_tensor_kv else host).astype(kv_dtype)
-            if is_param[t.path] and host.dtype != out_dtype and host.dtype.kind in "fV":
-                return host.astype(out_dtype)
+            want = stored_dtype(t)
+            if is_param[t.path] and host.dtype != want and host.dtype.kind in "fV":
+                return host.astype(want)
             return host.reshape(t.shape)
         return get
 
@@ -345,7 +358,7 @@ def checkpoint_tensors(model, *, fused_experts: bool | Mapping[str, bool] = Fals
         if t.transform == "kv_scale":
             return kv_dtype.itemsize * (1 if per_tensor_kv else t.info[0])
         kind = np.dtype(values[t.path].dtype)
-        itemsize = out_dtype.itemsize if is_param[t.path] and kind.kind in "fV" else kind.itemsize
+        itemsize = stored_dtype(t).itemsize if is_param[t.path] and kind.kind in "fV" else kind.itemsize
         if t.transform == "zero_point":
             itemsize = 4
         return int(np.prod(t.shape)) * itemsize

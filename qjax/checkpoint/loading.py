@@ -3,7 +3,8 @@
 Accepted layouts (docs/model.md §6): text weights under ``model.language_model.`` (official composite checkpoints) or
 ``model.`` (text-only); routed experts fused (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj``,
 no ``.weight``) or per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``), chosen per layer; ``mtp.*`` loads
-into the MTP head when present; ``model.visual.*`` is skipped with one log line.
+into the MTP head when present; ``model.visual.*`` into the vision tower, in its stored dtype (``text_only=True``
+skips it).
 
 Tensors stream one at a time from memory-mapped files straight into pre-allocated device buffers (a donated
 in-place update per tensor), so the checkpoint is never held twice in host memory.
@@ -28,8 +29,8 @@ from qjax.checkpoint.auto_round import open_autoround
 from qjax.checkpoint.dense_mtp import dense_mtp_view
 from qjax.checkpoint.layout import (
     FLOAT,
-    SKIPPED_PREFIXES,
     TEXT_PREFIXES,
+    VISUAL_PREFIX,
     LoadError,
     Target,
     expected_tensors,
@@ -41,7 +42,8 @@ from qjax.checkpoint.layout import (
 from qjax.checkpoint.quant_plan import plan_quantization
 from qjax.checkpoint.view import Checkpoint, CheckpointView
 from qjax.kernels import dequantize
-from qjax.model.config import GenerationConfig, TextConfig
+from qjax.model.config import GenerationConfig, TextConfig, VisionConfig
+from qjax.multimodal.images import ImageProcessorConfig
 from qjax.model.dtypes import model_dtype
 from qjax.model.quant_spec import ModelQuant
 from qjax.model.qwen3_5_moe import Qwen3_5MoeForCausalLM, abstract_model
@@ -50,7 +52,7 @@ from qjax.model.variables import variable_shapes
 from qjax.quant.config import QuantizationConfig
 from qjax.quant.packing import unpack_zero_point
 
-__all__ = ["FLOAT", "SKIPPED_PREFIXES", "TEXT_PREFIXES", "Checkpoint", "LoadError", "Target", "check_folder",
+__all__ = ["FLOAT", "TEXT_PREFIXES", "VISUAL_PREFIX", "Checkpoint", "LoadError", "Target", "check_folder",
            "checkpoint_dtype", "load_from_view", "load_model", "module_weight", "verify_folder", "verify_values",
            "with_fp8_kv_cache"]
 
@@ -96,7 +98,7 @@ def checkpoint_dtype(embed_dtype: str | None, cfg: TextConfig):
 
 
 def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = None,
-               mesh=None, verify: bool = True) -> Qwen3_5MoeForCausalLM:
+               mesh=None, verify: bool = True, text_only: bool = False) -> Qwen3_5MoeForCausalLM:
     """Load a HF ``qwen3_5_moe`` / ``qwen3_5_moe_text`` checkpoint folder (dense, compressed-tensors, or auto-round
     ``quant_method: "auto-round"`` INT packing, converted to compressed-tensors' layout at load).
 
@@ -116,6 +118,9 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
       verify: check every tensor's values as it streams in (:func:`verify_values`: no NaN or infinity in float
         tensors, no NaN code in float8 weights or E8M0 scales, no zero weight scale, K/V scales positive); one
         more read of each tensor in host memory (benchmarks/RESULTS.md has the cost). False skips it.
+      text_only: do not load the vision tower (``model.visual.*``; vLLM's ``--limit-mm-per-prompt '{"image": 0}'``):
+        its memory is not used and image input is refused. Otherwise the tower loads when the folder has it, in its
+        stored dtype unless ``dtype`` is given (then in ``dtype`` like the rest).
     Raises:
       ConfigError, SafetensorsError, LoadError — each naming the file and the tensor or field at fault;
       qjax.model.sharding.MeshError when the mesh does not divide the model's heads or experts.
@@ -124,6 +129,7 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
     if dtype is not None:
         dtype = model_dtype(dtype, "load_model(dtype=…)")  # before anything is traced: float64 switches x64 on
     cfg = TextConfig.from_file(path)
+    vision = VisionConfig.from_file(path)
     plan = None
     if mesh is not None:
 
@@ -132,10 +138,15 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
     ckpt = Checkpoint(path)
     try:
         qc, view = quantization_view(path, ckpt)
-        model = load_from_view(cfg, qc, view, dtype, progress=progress, plan=plan, verify=verify)
+        model = load_from_view(cfg, qc, view, dtype, progress=progress, plan=plan, verify=verify, vision=vision,
+                               text_only=text_only)
     finally:
         ckpt.close()
     model.generation_config = generation_config
+    if vision is not None:
+        model.image_processor = ImageProcessorConfig.from_folder(
+            path, patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+            merge_size=vision.spatial_merge_size)
     return model
 
 
@@ -167,11 +178,12 @@ def verify_folder(path: str | os.PathLike) -> tuple[TextConfig, QuantizationConf
 def _check_folder(path, *, values: bool):
     path = os.fspath(path)
     cfg = TextConfig.from_file(path)
+    vision = VisionConfig.from_file(path)
     GenerationConfig.from_folder(path)
     ckpt = Checkpoint(path)
     try:
         qc, view = quantization_view(path, ckpt)
-        _, _, targets, _, view = _structure(cfg, qc, view, None)
+        _, _, targets, _, view = _structure(cfg, qc, view, None, vision)
         for key in _ordered(view, targets):
             if values:
                 verify_values(view, key, view.get(key))
@@ -182,19 +194,37 @@ def _check_folder(path, *, values: bool):
         ckpt.close()
 
 
-def _structure(cfg: TextConfig, qc, ckpt: Checkpoint, dtype):
+def _structure(cfg: TextConfig, qc, ckpt: Checkpoint, dtype, vision: VisionConfig | None = None,
+               text_only: bool = False, vision_dtype=None):
     """The abstract model a checkpoint describes, its variables and every tensor's target, checked against the
     checkpoint's names, shapes and dtypes: (model, leaves, targets, skipped keys, the view to read — ``ckpt``, or
-    a view of it that decodes a quantized MTP head to the dense one the model holds)."""
-    ckpt = dense_mtp_view(cfg, qc, ckpt, check=verify_values, source=os.path.join(ckpt.folder, "config.json"))
+    a view of it that decodes a quantized MTP head to the dense one the model holds). The vision tower is part of
+    the model when ``vision`` is given, the checkpoint has ``model.visual.*`` tensors and not ``text_only``."""
+    source = os.path.join(ckpt.folder, "config.json")
+    ckpt = dense_mtp_view(cfg, qc, ckpt, check=verify_values, source=source)
     keys = ckpt.keys()
     prefix = text_prefix(keys)
-    skipped = [k for k in keys if k.startswith(SKIPPED_PREFIXES)]
+    visual = [k for k in keys if k.startswith(VISUAL_PREFIX)]
+    with_visual = bool(visual) and vision is not None and not text_only
+    skipped = [] if with_visual else visual
+    packed = [k for k in visual if not k.endswith((".weight", ".bias"))]
+    if with_visual and packed:
+        raise LoadError(f"{ckpt.folder}: the vision tower is stored quantized ({packed[0]} [{ckpt.file_of(packed[0])}]"
+                        f", {len(packed)} such tensors); qjax runs it in its float dtype as the seed checkpoints "
+                        f"keep it — load with text_only=True to skip it")
     with_mtp = any(k.startswith("mtp.") for k in keys)
+    explicit_dtype = dtype is not None
     dtype = jnp.dtype(dtype) if dtype is not None else _default_dtype(ckpt, cfg, prefix)
-    quant = plan_quantization(cfg, qc, set(keys), ckpt.dtype, text_prefix=prefix,
-                              source=os.path.join(ckpt.folder, "config.json"))
-    model = abstract_model(cfg, dtype=dtype, with_mtp=with_mtp, quant=quant)
+    if vision_dtype is not None:
+        vision_dtype = jnp.dtype(vision_dtype)
+    elif explicit_dtype or not with_visual:
+        vision_dtype = dtype
+    else:
+        first = VISUAL_PREFIX + "patch_embed.proj.weight"
+        vision_dtype = _FLOAT_DTYPES.get(ckpt.dtype(first) if first in keys else None, dtype)
+    quant = plan_quantization(cfg, qc, set(keys), ckpt.dtype, text_prefix=prefix, source=source)
+    model = abstract_model(cfg, dtype=dtype, with_mtp=with_mtp, quant=quant, vision=vision,
+                           vision_dtype=vision_dtype, with_visual=with_visual)
     leaves = variable_shapes(model)
     targets = expected_tensors(model, leaves, fused_experts=expert_layouts(keys), text_prefix=prefix)
     _check(ckpt, targets, set(skipped))
@@ -202,12 +232,15 @@ def _structure(cfg: TextConfig, qc, ckpt: Checkpoint, dtype):
 
 
 def load_from_view(cfg: TextConfig, qc, ckpt: CheckpointView, dtype, *, progress: bool | None = False,
-                   plan=None, verify: bool = False) -> Qwen3_5MoeForCausalLM:
-    """The model of ``cfg`` (quantized as ``qc`` says) with every tensor of ``ckpt`` in its variables."""
-    model, leaves, targets, skipped, ckpt = _structure(cfg, qc, ckpt, dtype)
+                   plan=None, verify: bool = False, vision: VisionConfig | None = None,
+                   text_only: bool = False, vision_dtype=None) -> Qwen3_5MoeForCausalLM:
+    """The model of ``cfg`` (quantized as ``qc`` says) with every tensor of ``ckpt`` in its variables; with the
+    vision tower of ``vision`` when ``ckpt`` holds it and not ``text_only`` (:func:`load_model`), in
+    ``vision_dtype`` (default: its stored dtype, or ``dtype`` when that is given)."""
+    model, leaves, targets, skipped, ckpt = _structure(cfg, qc, ckpt, dtype, vision, text_only, vision_dtype)
     if skipped:
-        logger.warning("%s: skipping %d vision tensors (model.visual.*): qjax runs the text model",
-                       ckpt.folder, len(skipped))
+        logger.warning("%s: skipping %d vision tensors (model.visual.*): %s", ckpt.folder, len(skipped),
+                       "loaded text-only" if vision is not None else "config.json has no vision_config")
 
     shardings = None
     if plan is not None:

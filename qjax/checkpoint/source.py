@@ -68,6 +68,15 @@ def opened_source(folder: str | os.PathLike | None) -> Iterator[Source | None]:
         src.close()
 
 
+def export_prefix(model, source: Source | None) -> str:
+    """Where an export of ``model`` puts its text weights: the source's prefix; without a source
+    ``model.language_model.`` when the model holds a vision tower (a composite folder, as the official releases),
+    else ``model.`` (a text-only one)."""
+    if source is not None:
+        return source.text_prefix
+    return "model.language_model." if getattr(model, "visual", None) is not None else "model."
+
+
 def export_tensors(model, source: Source | None, *, fused_experts: bool = False, dtype=None) -> list[Item]:
     """Every tensor of an export of ``model`` as ``(key, bytes, get)``, sorted by key: the model's own
     (:func:`~qjax.checkpoint.layout.checkpoint_tensors`, under the source's text prefix), except that each kept
@@ -77,7 +86,7 @@ def export_tensors(model, source: Source | None, *, fused_experts: bool = False,
       ValueError: the model holds other values for a kept part than the source stores (its MTP head was changed
         after loading: write it without a source).
     """
-    prefix = source.text_prefix if source is not None else "model."
+    prefix = export_prefix(model, source)
     own = layout.checkpoint_tensors(model, fused_experts=fused_experts, dtype=dtype, text_prefix=prefix)
     if source is None:
         return own

@@ -7,6 +7,7 @@ Every field the math needs is read from the file; nothing is hard-coded to the 3
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -257,6 +258,139 @@ class TextConfig:
             "bos_token_id": self.bos_token_id,
             "dtype": self.dtype,
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower (``vision_config`` of a composite ``qwen3_5_moe`` config.json, docs/model.md §6.4) and the
+    composite config's multimodal token ids. Defaults are transformers' ``Qwen3_5MoeVisionConfig`` /
+    ``Qwen3_5MoeConfig`` defaults (the 35B-A3B tower)."""
+
+    depth: int = 27
+    hidden_size: int = 1152
+    num_heads: int = 16
+    intermediate_size: int = 4304
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 2304
+    out_hidden_size: int = 2048
+    rope_theta: float = 10_000.0
+    initializer_range: float = 0.02
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened patch (``C · temporal · patch · patch``): a row of ``pixel_values``."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per merged token (``spatial_merge_size²``)."""
+        return self.spatial_merge_size ** 2
+
+    @property
+    def grid_side(self) -> int:
+        """Side of the learned position-embedding grid (``√num_position_embeddings``)."""
+        return math.isqrt(self.num_position_embeddings)
+
+    def replace(self, **changes: Any) -> "VisionConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> "VisionConfig | None":
+        """The vision config of a composite ``qwen3_5_moe`` config.json; None for a text-only one
+        (``qwen3_5_moe_text`` or no ``vision_config``). Every field is type- and range-checked."""
+        if raw.get("model_type") != "qwen3_5_moe" or "vision_config" not in raw:
+            return None
+        top = Fields(raw, source, ConfigError)
+        f = top.sub("vision_config", required=True)
+        count = dict(min=1, max=MAX_COUNT)
+        dim = dict(min=1, max=MAX_DIM)
+        f.str("hidden_act", "gelu_pytorch_tanh", choices=("gelu_pytorch_tanh",))
+        if f.has("deepstack_visual_indexes") and f.int_list("deepstack_visual_indexes", [], min=0):
+            raise ConfigError(f"{f.where}: deepstack_visual_indexes is not supported (qwen3_5_moe has none)")
+        theta = 10_000.0
+        if f.has("rope_parameters") and f.obj("rope_parameters") is not None:
+            rope = f.sub("rope_parameters")
+            rope.str("rope_type", "axial", choices=("axial",))
+            theta = rope.float("rope_theta", 10_000.0, positive=True)
+        cfg = cls(
+            depth=f.int("depth", 27, **count),
+            hidden_size=f.int("hidden_size", 1152, **dim),
+            num_heads=f.int("num_heads", 16, **count),
+            intermediate_size=f.int("intermediate_size", 4304, **dim),
+            in_channels=f.int("in_channels", 3, min=1, max=16),
+            patch_size=f.int("patch_size", 16, min=1, max=1024),
+            temporal_patch_size=f.int("temporal_patch_size", 2, min=1, max=64),
+            spatial_merge_size=f.int("spatial_merge_size", 2, min=1, max=64),
+            num_position_embeddings=f.int("num_position_embeddings", 2304, min=1, max=MAX_DIM),
+            out_hidden_size=f.int("out_hidden_size", 3584, **dim),
+            rope_theta=theta,
+            initializer_range=f.float("initializer_range", 0.02, min=0.0),
+            image_token_id=top.int("image_token_id", 248056, min=0, max=MAX_VOCAB),
+            video_token_id=top.int("video_token_id", 248057, min=0, max=MAX_VOCAB),
+            vision_start_token_id=top.int("vision_start_token_id", 248053, min=0, max=MAX_VOCAB),
+            vision_end_token_id=top.int("vision_end_token_id", 248054, min=0, max=MAX_VOCAB),
+        )
+        cfg.validate(f.where)
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "VisionConfig | None":
+        """``config.json`` (or a folder holding one); None when it describes a text-only model."""
+        path, raw = read_config(path)
+        return cls.from_dict(raw, source=path)
+
+    def validate(self, where: str = "vision_config", text: TextConfig | None = None) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"{where}: {msg}")
+
+        check(self.hidden_size % self.num_heads == 0,
+              f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
+        check(self.head_dim % 4 == 0, f"head_dim {self.head_dim} must be a multiple of 4 (2-D rotary: h and w halves)")
+        check(self.grid_side ** 2 == self.num_position_embeddings,
+              f"num_position_embeddings={self.num_position_embeddings} is not a square")
+        if text is not None:
+            check(self.out_hidden_size == text.hidden_size,
+                  f"out_hidden_size={self.out_hidden_size} differs from the text model's hidden_size="
+                  f"{text.hidden_size}")
+            for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+                check(getattr(self, name) < text.vocab_size,
+                      f"{name}={getattr(self, name)} is outside the vocabulary ({text.vocab_size})")
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``vision_config`` object (the token ids live at the top of the composite config: :attr:`token_ids`)."""
+        return {
+            "model_type": "qwen3_5_moe_vision",
+            "depth": self.depth,
+            "hidden_size": self.hidden_size,
+            "num_heads": self.num_heads,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "gelu_pytorch_tanh",
+            "in_channels": self.in_channels,
+            "patch_size": self.patch_size,
+            "temporal_patch_size": self.temporal_patch_size,
+            "spatial_merge_size": self.spatial_merge_size,
+            "num_position_embeddings": self.num_position_embeddings,
+            "out_hidden_size": self.out_hidden_size,
+            "initializer_range": self.initializer_range,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
+        }
+
+    @property
+    def token_ids(self) -> dict[str, int]:
+        return {"image_token_id": self.image_token_id, "video_token_id": self.video_token_id,
+                "vision_start_token_id": self.vision_start_token_id, "vision_end_token_id": self.vision_end_token_id}
 
 
 def read_config(path: str | os.PathLike) -> tuple[str, dict[str, Any]]:

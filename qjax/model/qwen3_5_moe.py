@@ -20,7 +20,7 @@ from flax import nnx, struct
 from qjax.kernels import accum_dtype, dot_precision, gated_delta_step, matmul_accumulated, sigmoid, silu
 from qjax.model import gdn
 from qjax.model.cache import Cache, GDNState, KVState, gather_rows, read_layer, scatter_rows, write_layer, write_tokens
-from qjax.model.config import FULL, LINEAR, TextConfig
+from qjax.model.config import FULL, LINEAR, TextConfig, VisionConfig
 from qjax.model.dtypes import check_x64, model_dtype
 from qjax.model.layers import GatedRMSNorm, Linear, RMSNorm, init_normal
 from qjax.model.linears import linear
@@ -29,6 +29,7 @@ from qjax.model.quant_layers import Packed, fake_quant_fp8, quantize_fp8
 from qjax.model.quant_spec import ModelQuant
 from qjax.model.rope import apply_rope, rope_cos_sin
 from qjax.model.sharding import MeshError, cache_shardings, check_batch
+from qjax.model.vision import Qwen3_5MoeVisionModel
 
 
 @struct.dataclass
@@ -342,8 +343,16 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
     """The text model with its lm_head. ``model(input_ids)`` → logits ``[B, T, V]`` (jitted)."""
 
     def __init__(self, cfg: TextConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, with_mtp: bool = False,
-                 quant: ModelQuant | None = None):
+                 quant: ModelQuant | None = None, vision: VisionConfig | None = None, vision_dtype=None,
+                 with_visual: bool = True):
         self.config = cfg
+        # the composite checkpoint's vision config (its token ids place image features even when the tower itself is
+        # not loaded); the tower keeps its own dtype: a checkpoint's BF16 tower stays BF16 under a quantized body
+        self.vision_config = vision
+        if vision is not None:
+            vision.validate("vision_config", cfg)
+        self.visual = (Qwen3_5MoeVisionModel(vision, dtype=dtype if vision_dtype is None else vision_dtype, rngs=rngs)
+                       if vision is not None and with_visual else None)
         # what it computes in (qjax.model.dtypes); x64 is switched on by the callers (load_model, init_model, --dtype):
         # inside a trace (abstract_model) it would be too late
         self.dtype = model_dtype(dtype, "Qwen3_5MoeForCausalLM(dtype=…)", switch_x64=False)
@@ -384,8 +393,19 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), self.mesh_plan))()
 
     # -- building blocks ----------------------------------------------------------------------------------------------
-    def embed(self, input_ids: jnp.ndarray) -> jnp.ndarray:
-        return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+    def embed(self, input_ids: jnp.ndarray, image_embeds: jnp.ndarray | None = None) -> jnp.ndarray:
+        """Token embeddings ``[B, T, H]``; with ``image_embeds [N, H]`` (the vision tower's merged tokens), the n-th
+        image placeholder token in row-major order takes the n-th feature row instead (transformers'
+        ``masked_scatter``). The caller gives exactly as many rows as the call has placeholders."""
+        h = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+        if image_embeds is None:
+            return h
+        if self.vision_config is None:
+            raise ValueError("image_embeds given to a text-only model (its config.json has no vision_config)")
+        is_image = input_ids == self.vision_config.image_token_id
+        row = jnp.cumsum(is_image.reshape(-1), dtype=jnp.int32).reshape(is_image.shape) - 1
+        feats = jnp.take(image_embeds, jnp.clip(row, 0, image_embeds.shape[0] - 1), axis=0).astype(self.dtype)
+        return jnp.where(is_image[..., None], feats, h)
 
     def logits_from_hidden(self, h: jnp.ndarray) -> jnp.ndarray:
         """Logits in the accumulation dtype — float32 for bf16/f16/f32 models, float64 for float64: rounding them to
@@ -468,7 +488,8 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
     # -- forward ------------------------------------------------------------------------------------------------------
     def forward(self, input_ids, *, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 last_only: bool = False, output_hidden_states: bool = False, cache_rows=None,
-                kv_len: int | None = None, keep_steps: bool = False) -> ForwardOutput:
+                kv_len: int | None = None, keep_steps: bool = False,
+                image_embeds: jnp.ndarray | None = None) -> ForwardOutput:
         """Traceable forward.
 
         Args:
@@ -476,8 +497,11 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
           attention_mask: ``[B, T]`` (1 = token, 0 = padding) or None. Without a cache padding must be on the left;
             with one, anywhere: pads are not written, attended to or counted (a right-padded chunk continues a
             row exactly).
-          position_ids: ``[B, T]`` text positions or ``[3, B, T]`` M-RoPE rows; default: count of real tokens
-            before each position (so a left-padded row gets the positions it would have alone).
+          position_ids: ``[B, T]`` text positions or ``[3, B, T]`` M-RoPE rows (an image prompt's:
+            :func:`qjax.multimodal.positions.rope_index`); default: count of real tokens before each position (so a
+            left-padded row gets the positions it would have alone), continuing from the cache's next position. With
+            a cache, given positions move a row's next position to one past the largest of its real tokens (after an
+            image that is not the token count: transformers' ``rope_deltas``).
           cache: a :class:`Cache` to read and update (prefill or decode), or None.
           last_only: compute logits for the last position only (generation).
           output_hidden_states: also return the embeddings and every layer's output (before the final norm) as
@@ -489,10 +513,11 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
             None: the whole cache.
           keep_steps: a speculative verify call (static): the cache was made with ``spec_tokens = T``; GDN layers keep
             the state after each token so that :meth:`qjax.model.cache.Cache.accept` can keep any prefix.
+          image_embeds: ``[N, H]`` features of this call's N image placeholder tokens (:meth:`embed`), or None.
         """
         ctx, m = self.step_context(input_ids, attention_mask, position_ids, cache, cache_rows, kv_len)
         ctx = ctx.replace(keep_steps=keep_steps)
-        h = self.embed(input_ids)
+        h = self.embed(input_ids, image_embeds)
         if self.mesh_plan is not None:
             h = self.mesh_plan.batch(h)
         h0 = h
@@ -501,7 +526,7 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         h = self.norm(h)
         with jax.named_scope("lm_head"):
             logits = self.logits_from_hidden(h[:, -1:] if last_only else h)
-        new_cache = None if cache is None else _advanced(cache, new_slots, ctx, m, cache_rows)
+        new_cache = None if cache is None else _advanced(cache, new_slots, ctx, m, cache_rows, position_ids)
         return ForwardOutput(logits=logits, hidden=h, cache=new_cache, hidden_states=hidden_states)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None) -> jnp.ndarray:
@@ -558,11 +583,20 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         return self.logits_from_hidden(y)
 
 
-def _advanced(cache: Cache, slots: tuple, ctx: StepContext, mask: jnp.ndarray, rows=None) -> Cache:
+def _advanced(cache: Cache, slots: tuple, ctx: StepContext, mask: jnp.ndarray, rows=None,
+              position_ids: jnp.ndarray | None = None) -> Cache:
     """``cache`` after a call wrote ``slots`` at ``rows``: the call's valid keys, and each row's length and next
-    position moved past its tokens (``mask [B, T]``: the real ones)."""
+    position moved past its tokens (``mask [B, T]``: the real ones) — past the largest given position of its real
+    tokens when the call had ``position_ids`` (``[B, T]`` or ``[3, B, T]``; an image's tokens span fewer positions
+    than tokens)."""
     lengths = gather_rows(cache.lengths, rows) + ctx.span
-    positions = gather_rows(cache.positions, rows) + jnp.sum(mask, axis=1, dtype=jnp.int32)
+    positions = gather_rows(cache.positions, rows)
+    if position_ids is None:
+        positions = positions + jnp.sum(mask, axis=1, dtype=jnp.int32)
+    else:
+        given = position_ids if position_ids.ndim == 3 else position_ids[None]
+        top = jnp.max(jnp.where(mask[None], given, -1), axis=(0, 2)).astype(jnp.int32)
+        positions = jnp.where(jnp.any(mask, axis=1), top + 1, positions)
     return Cache(slots=slots, key_valid=scatter_rows(cache.key_valid, rows, ctx.key_valid),
                  positions=scatter_rows(cache.positions, rows, positions),
                  lengths=scatter_rows(cache.lengths, rows, lengths))
@@ -595,15 +629,19 @@ def _jit_logits(graphdef, state, input_ids, attention_mask, position_ids):
     return model.forward(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
 
 
-def init_model(cfg: TextConfig, *, dtype=jnp.float32, seed: int = 0, with_mtp: bool = False) -> Qwen3_5MoeForCausalLM:
-    """A randomly initialised model (HF's init scheme: normal(initializer_range) matrices, zero norm offsets).
-    ``dtype``: one of :data:`qjax.model.dtypes.MODEL_DTYPES` (float64 switches x64 on)."""
+def init_model(cfg: TextConfig, *, dtype=jnp.float32, seed: int = 0, with_mtp: bool = False,
+               vision: VisionConfig | None = None) -> Qwen3_5MoeForCausalLM:
+    """A randomly initialised model (HF's init scheme: normal(initializer_range) matrices, zero norm offsets), with a
+    vision tower when ``vision`` is given. ``dtype``: one of :data:`qjax.model.dtypes.MODEL_DTYPES` (float64
+    switches x64 on)."""
     dtype = model_dtype(dtype, "init_model(dtype=…)")
-    return Qwen3_5MoeForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed), with_mtp=with_mtp)
+    return Qwen3_5MoeForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed), with_mtp=with_mtp, vision=vision)
 
 
 def abstract_model(cfg: TextConfig, *, dtype=jnp.float32, with_mtp: bool = False,
-                   quant: ModelQuant | None = None) -> Qwen3_5MoeForCausalLM:
+                   quant: ModelQuant | None = None, vision: VisionConfig | None = None, vision_dtype=None,
+                   with_visual: bool = True) -> Qwen3_5MoeForCausalLM:
     """The model's structure with shape/dtype placeholders only (no memory): the loader fills it."""
     return nnx.eval_shape(lambda: Qwen3_5MoeForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), with_mtp=with_mtp,
-                                                        quant=quant))
+                                                        quant=quant, vision=vision, vision_dtype=vision_dtype,
+                                                        with_visual=with_visual))

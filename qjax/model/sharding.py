@@ -230,6 +230,8 @@ def param_spec(path: tuple, shape: tuple[int, ...], plan: MeshPlan, meta=None, w
     if names == ["embed_tokens"]:
         spec[0] = tp if plan.vocab_split else None
         return P(*spec)
+    if names[0] == "visual":  # the vision tower (0.45 B of 35 B parameters) is replicated
+        return P(*spec)
     vector = _HEAD_VECTORS.get((names[-2] if len(names) > 1 else "", leaf))
     if vector is not None:
         if vector == "heads" or plan.kv_split:

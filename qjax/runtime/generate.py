@@ -20,6 +20,7 @@ from flax import nnx
 from qjax.kernels import use as use_kernels
 from qjax.model.cache import Cache
 from qjax.model.config import GenerationConfig
+from qjax.multimodal.prompt import prepare_images
 from qjax.runtime.sampling import SamplingArrays, filter_logits
 from qjax.runtime.speculative import SpeculativeStats, generate_speculative, row_keys
 from qjax.runtime.speculative import rounds as speculative_rounds
@@ -65,12 +66,15 @@ class DecodeSettings:
 # jitted programs
 # ---------------------------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("impl",), donate_argnums=(2,))
-def prefill(graphdef, state, cache: Cache, input_ids, attention_mask, impl: str | None = None):
+def prefill(graphdef, state, cache: Cache, input_ids, attention_mask, impl: str | None = None, position_ids=None,
+            image_embeds=None):
     """``input_ids [B, T]`` into ``cache``: (last-position logits ``[B, V]``, the cache). ``impl``: the kernel
-    implementation to trace with (None: the default; :mod:`qjax.runtime.bench` times others)."""
+    implementation to trace with (None: the default; :mod:`qjax.runtime.bench` times others). An image prompt
+    (:class:`qjax.multimodal.prompt.ImagePrompt`) brings its ``position_ids [3, B, T]`` and ``image_embeds [N, H]``."""
     with use_kernels(impl):
         model = nnx.merge(graphdef, state)
-        out = model.forward(input_ids, attention_mask=attention_mask, cache=cache, last_only=True)
+        out = model.forward(input_ids, attention_mask=attention_mask, cache=cache, last_only=True,
+                            position_ids=position_ids, image_embeds=image_embeds)
     return out.logits[:, -1], out.cache
 
 
@@ -212,10 +216,26 @@ def _stream_speculative(model, input_ids, attention_mask, s: DecodeSettings, n_n
         sent = max(sent, ready)
 
 
-def _prepare(model, input_ids, attention_mask, max_new_tokens):
+def _prefilled(model, input_ids, attention_mask, max_new_tokens, images, pad: int):
+    """(prompt ids ``[B, T]`` as run — image placeholders expanded —, graphdef, state, last logits, cache) after the
+    prompt's prefill; with ``images``, through :func:`qjax.multimodal.prompt.prepare_images`."""
+    position_ids = image_embeds = None
+    if images is not None:
+        prompt = prepare_images(model, input_ids, attention_mask, images, pad_token_id=pad)
+        input_ids, attention_mask = prompt.input_ids, prompt.attention_mask
+        position_ids, image_embeds = jnp.asarray(prompt.position_ids), prompt.image_embeds
     ids, mask = _check_prompt(model, input_ids, attention_mask)
     cache = model.init_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
-    return jnp.asarray(ids, jnp.int32), jnp.asarray(mask), cache
+    graphdef, state = nnx.split(model)
+    logits, cache = prefill(graphdef, state, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(mask),
+                            position_ids=position_ids, image_embeds=image_embeds)
+    return ids, graphdef, state, logits, cache
+
+
+def _check_images(images, speculative, num_speculative_tokens) -> None:
+    if images is not None and (speculative is not None or num_speculative_tokens is not None):
+        # the MTP head's positions would need the prompt's M-RoPE rows; not wired yet
+        raise ValueError("speculative decoding with image input is not supported; generate without speculative=")
 
 
 def _check_prompt(model, input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
@@ -242,7 +262,7 @@ def generate(model, input_ids, *, max_new_tokens: int | None = None, attention_m
              do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
              generation_config: GenerationConfig | None = None, speculative: str | None = None,
-             num_speculative_tokens: int | None = None, return_stats: bool = False):
+             num_speculative_tokens: int | None = None, return_stats: bool = False, images=None):
     """Generate up to ``max_new_tokens`` tokens after each (left-padded) prompt.
 
     Unset sampling options come from ``generation_config`` or the model's ``generation_config.json``; greedy when
@@ -255,12 +275,18 @@ def generate(model, input_ids, *, max_new_tokens: int | None = None, attention_m
         main-model call (:mod:`qjax.runtime.speculative`): greedy, the same tokens as without it; sampling, tokens
         from the same distribution (each row drawing with its own key from ``seed``, so not the same draws).
       return_stats: also return a :class:`qjax.runtime.speculative.SpeculativeStats` (with ``speculative``).
+      images: image sources (paths, bytes, PIL images, uint8 arrays) for the prompts' image placeholders
+        (``image_token_id``, one per image as the chat template writes ``<|image_pad|>``), in order across the rows
+        (:func:`qjax.multimodal.prompt.prepare_images`): each placeholder is expanded to the image's merged-patch
+        count and the prompt runs with M-RoPE positions. Needs a model loaded with its vision tower.
     Returns:
       ``[B, T + n]`` int32 numpy array: the prompts followed by the n generated tokens (n ≤ max_new_tokens; fewer
-      when every row stopped early); with ``return_stats``, ``(tokens, stats)``.
+      when every row stopped early); with ``return_stats``, ``(tokens, stats)``. With ``images`` the prompt part is
+      the expanded prompt that ran.
     """
     s, n_new = _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
                         generation_config)
+    _check_images(images, speculative, num_speculative_tokens)
     if speculative is not None or num_speculative_tokens is not None:
         k = _speculative_k(s, speculative, num_speculative_tokens)
         ids, mask = _check_prompt(model, input_ids, attention_mask)
@@ -269,9 +295,7 @@ def generate(model, input_ids, *, max_new_tokens: int | None = None, attention_m
         return (tokens, stats) if return_stats else tokens
     if return_stats:
         raise ValueError("return_stats needs speculative='mtp'")
-    ids, mask, cache = _prepare(model, input_ids, attention_mask, n_new)
-    graphdef, state = nnx.split(model)
-    logits, cache = prefill(graphdef, state, cache, ids, mask)
+    ids, graphdef, state, logits, cache = _prefilled(model, input_ids, attention_mask, n_new, images, s.pad)
     tokens, n, _ = decode_loop(graphdef, state, cache, logits, jax.random.key(seed), s, n_new)
     n = int(n)
     return np.concatenate([np.asarray(ids), np.asarray(tokens)[:, :n]], axis=1)
@@ -281,7 +305,7 @@ def stream(model, input_ids, *, max_new_tokens: int | None = None, attention_mas
            do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
            top_p: float | None = None, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
            generation_config: GenerationConfig | None = None, speculative: str | None = None,
-           num_speculative_tokens: int | None = None, stats: SpeculativeStats | None = None
+           num_speculative_tokens: int | None = None, stats: SpeculativeStats | None = None, images=None
            ) -> Iterator[np.ndarray]:
     """Like :func:`generate` but yields each step's ``[B]`` tokens as soon as they exist (same tokens, same seed).
     With ``speculative="mtp"`` a verify round yields all the positions every row has reached (1 … k + 1 at once;
@@ -289,15 +313,14 @@ def stream(model, input_ids, *, max_new_tokens: int | None = None, attention_mas
     ``num_speculative_tokens``), when given, is updated round by round."""
     s, n_new = _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
                         generation_config)
+    _check_images(images, speculative, num_speculative_tokens)
     if speculative is not None or num_speculative_tokens is not None:
         yield from _stream_speculative(model, input_ids, attention_mask, s, n_new, seed, speculative,
                                        num_speculative_tokens, stats)
         return
     if stats is not None:
         raise ValueError("stats needs speculative='mtp'")
-    ids, mask, cache = _prepare(model, input_ids, attention_mask, n_new)
-    graphdef, state = nnx.split(model)
-    logits, cache = prefill(graphdef, state, cache, ids, mask)
+    ids, graphdef, state, logits, cache = _prefilled(model, input_ids, attention_mask, n_new, images, s.pad)
     key = jax.random.key(seed)
     done = jnp.zeros((ids.shape[0],), bool)
     for _ in range(n_new):
