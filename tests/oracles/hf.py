@@ -472,3 +472,83 @@ def hf_generate_greedy(
             pad_token_id=pad,
         )
     return seqs.numpy()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A tiny vision-language checkpoint with a tokenizer (image prompts end to end)
+# --------------------------------------------------------------------------------------------------------------------
+
+# preprocessor_config.json of the tiny VL checkpoint: the tiny tower's 4-pixel patches, and pixel bounds that keep an
+# image at 4..64 merged tokens (16×16 .. 64×64 pixels) so that image prompts fit the 512-position tiny text model
+VL_PREPROCESSOR = {"size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}, "patch_size": 4,
+                   "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                   "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessor"}
+# the tiny VL tokenizer: words w0..w487 plus the chat and vision special tokens at the ids write_official_layout
+# gives the vision tokens (vocab − 12 … vocab − 9)
+VL_SPECIALS = {"<|image_pad|>": 500, "<|video_pad|>": 501, "<|vision_start|>": 502, "<|vision_end|>": 503,
+               "<|im_start|>": 504, "<|im_end|>": 505, "<|endoftext|>": 506}
+VL_WORDS = [f"w{i}" for i in range(488)] + ["user", "assistant", "system", "Describe", "this", "image.", "[UNK]"]
+
+
+def write_vl_tokenizer(folder: str | Path) -> None:
+    """A word-level tokenizer (whitespace split) over `VL_WORDS` with `VL_SPECIALS`: ids 0..506 of the 512 vocab."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(VL_WORDS)}
+    vocab.update(VL_SPECIALS)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="[UNK]",
+                            additional_special_tokens=list(VL_SPECIALS)).save_pretrained(str(folder))
+
+
+def write_vl_checkpoint(dst: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                        workdir: str | Path | None = None) -> str:
+    """A tiny `Qwen3_5MoeForConditionalGeneration` folder: the tiny text model (seeded) in the official composite
+    layout with a random 2-block vision tower (`tiny_vision_config`), its `VL_PREPROCESSOR`, a tokenizer
+    (`write_vl_tokenizer`) and a generation_config stopping at `<|im_end|>`. `dtype`: the stored dtype of every
+    tensor (the tower included)."""
+    dst = Path(dst)
+    work = Path(workdir) if workdir is not None else dst.parent / (dst.name + "-text")
+    save_hf(make_hf_model(tiny_text_config(), seed=seed).to(dtype), work)
+    write_official_layout(work, dst, seed=seed + 1, with_mtp=False, shards=1)
+    (dst / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR, indent=2) + "\n")
+    write_vl_tokenizer(dst)
+    (dst / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [VL_SPECIALS["<|im_end|>"]], "pad_token_id": VL_SPECIALS["<|endoftext|>"],
+         "do_sample": False}) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return str(dst)
+
+
+def random_image(height: int, width: int, seed: int = 0, mode: str = "RGB"):
+    """A seeded random Pillow image (smooth enough that resizing is not pure noise)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (max(1, height // 4), max(1, width // 4), 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize((width, height), Image.BILINEAR)
+    return img.convert(mode)
+
+
+def hf_vl_model(folder: str | Path) -> torch.nn.Module:
+    """transformers' `Qwen3_5MoeForConditionalGeneration` of a VL folder, float32, eval (the reference)."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32)
+    return model.eval()
+
+
+def hf_vl_inputs(folder: str | Path, images, input_ids: np.ndarray) -> dict[str, torch.Tensor]:
+    """transformers' model inputs for expanded `input_ids [B, T]` and `images`: pixel values and grids from its own
+    image processor (the folder's preprocessor_config.json), `mm_token_type_ids` marking the image tokens."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    pp = {k: v for k, v in VL_PREPROCESSOR.items() if k != "image_processor_type"}
+    processed = Qwen2VLImageProcessorPil(**pp)(list(images), return_tensors="pt")
+    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)
+    return {"input_ids": ids, "pixel_values": processed["pixel_values"],
+            "image_grid_thw": processed["image_grid_thw"],
+            "mm_token_type_ids": (ids == cfg["image_token_id"]).int()}
