@@ -29,8 +29,10 @@ from .schemes import check_layer_config, layer_scheme, parse_layer_config, prese
 logger = logging.getLogger("qjax.autoround")
 
 FORMATS = ("llm_compressor", "auto_round")
+# the source's files an export copies as they are: the tokenizer, the chat template and the image/video processors'
+# settings (the vision tower is copied too, so image prompts keep working on the export)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "vocab.json", "merges.txt")
+                   "vocab.json", "merges.txt", "preprocessor_config.json", "video_preprocessor_config.json")
 REPORT_FILE = "qjax_autoround.json"
 
 

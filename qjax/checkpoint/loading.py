@@ -201,17 +201,17 @@ def _structure(cfg: TextConfig, qc, ckpt: Checkpoint, dtype, vision: VisionConfi
     a view of it that decodes a quantized MTP head to the dense one the model holds). The vision tower is part of
     the model when ``vision`` is given, the checkpoint has ``model.visual.*`` tensors and not ``text_only``."""
     source = os.path.join(ckpt.folder, "config.json")
-    ckpt = dense_mtp_view(cfg, qc, ckpt, check=verify_values, source=source)
-    keys = ckpt.keys()
-    prefix = text_prefix(keys)
-    visual = [k for k in keys if k.startswith(VISUAL_PREFIX)]
+    visual = [k for k in ckpt.keys() if k.startswith(VISUAL_PREFIX)]
     with_visual = bool(visual) and vision is not None and not text_only
-    skipped = [] if with_visual else visual
     packed = [k for k in visual if not k.endswith((".weight", ".bias"))]
-    if with_visual and packed:
+    if with_visual and packed:  # before the quantization plan, which would name only a config mismatch
         raise LoadError(f"{ckpt.folder}: the vision tower is stored quantized ({packed[0]} [{ckpt.file_of(packed[0])}]"
                         f", {len(packed)} such tensors); qjax runs it in its float dtype as the seed checkpoints "
                         f"keep it — load with text_only=True to skip it")
+    ckpt = dense_mtp_view(cfg, qc, ckpt, check=verify_values, source=source)
+    keys = ckpt.keys()
+    prefix = text_prefix(keys)
+    skipped = [] if with_visual else visual
     with_mtp = any(k.startswith("mtp.") for k in keys)
     explicit_dtype = dtype is not None
     dtype = jnp.dtype(dtype) if dtype is not None else _default_dtype(ckpt, cfg, prefix)
@@ -222,7 +222,7 @@ def _structure(cfg: TextConfig, qc, ckpt: Checkpoint, dtype, vision: VisionConfi
     else:
         first = VISUAL_PREFIX + "patch_embed.proj.weight"
         vision_dtype = _FLOAT_DTYPES.get(ckpt.dtype(first) if first in keys else None, dtype)
-    quant = plan_quantization(cfg, qc, set(keys), ckpt.dtype, text_prefix=prefix, source=source)
+    quant = plan_quantization(cfg, qc, set(keys) - set(skipped), ckpt.dtype, text_prefix=prefix, source=source)
     model = abstract_model(cfg, dtype=dtype, with_mtp=with_mtp, quant=quant, vision=vision,
                            vision_dtype=vision_dtype, with_visual=with_visual)
     leaves = variable_shapes(model)

@@ -65,20 +65,21 @@ def patch_bucket(n: int, merge_unit: int = 4) -> int:
     return -(-size // step) * step
 
 
-def _axis_taps(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
+def _axis_taps(index: np.ndarray, size: np.ndarray, side: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
     """Bilinear taps (``align_corners=True``) of target ``index`` on an axis of ``size`` into a ``side`` table, in
-    float32 as transformers' ``_interpolation_axis_taps_weights`` forms them."""
-    src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
+    ``dtype``: float32 as transformers' ``_interpolation_axis_taps_weights`` forms them (float64 for a float64
+    tower)."""
+    src = index.astype(dtype) * dtype(side - 1) / np.maximum(size - 1, 1).astype(dtype)
     floor = np.floor(src)
     offsets = np.arange(2)
     taps = np.clip(floor.astype(np.int64)[:, None] + offsets, 0, side - 1)
-    weights = np.maximum(np.float32(1) - np.abs(src[:, None] - floor[:, None] - offsets.astype(np.float32)),
-                         np.float32(0))
-    return taps, weights.astype(np.float32)
+    weights = np.maximum(dtype(1) - np.abs(src[:, None] - floor[:, None] - offsets.astype(dtype)), dtype(0))
+    return taps, weights.astype(dtype)
 
 
-def vision_layout(grid_thw, cfg: VisionConfig, bucket: int | None = None) -> VisionLayout:
-    """The :class:`VisionLayout` of images with grids ``grid_thw [n, 3]`` (temporal, height, width in patches)."""
+def vision_layout(grid_thw, cfg: VisionConfig, bucket: int | None = None, dtype=np.float32) -> VisionLayout:
+    """The :class:`VisionLayout` of images with grids ``grid_thw [n, 3]`` (temporal, height, width in patches);
+    interpolation weights in ``dtype``."""
     grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     merge, side = cfg.spatial_merge_size, cfg.grid_side
     index, weight, rope, segment = [], [], [], []
@@ -90,8 +91,8 @@ def vision_layout(grid_thw, cfg: VisionConfig, bucket: int | None = None) -> Vis
         cols = np.arange(w).reshape(1, w // merge, 1, merge)
         row = np.broadcast_to(rows, (h // merge, w // merge, merge, merge)).reshape(-1)
         col = np.broadcast_to(cols, (h // merge, w // merge, merge, merge)).reshape(-1)
-        ht, hw = _axis_taps(row, np.int64(h), side)
-        wt, ww = _axis_taps(col, np.int64(w), side)
+        ht, hw = _axis_taps(row, np.int64(h), side, dtype)
+        wt, ww = _axis_taps(col, np.int64(w), side, dtype)
         idx = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
         wgt = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
         # every frame of a clip repeats the still image's layout; frames attend separately (one segment each)
@@ -109,7 +110,7 @@ def vision_layout(grid_thw, cfg: VisionConfig, bucket: int | None = None) -> Vis
     def cat(parts, fill, shape, dtype):
         return np.concatenate(parts + [np.full((pad, *shape), fill, dtype)]).astype(dtype)
 
-    return VisionLayout(interp_index=cat(index, 0, (4,), np.int32), interp_weight=cat(weight, 0, (4,), np.float32),
+    return VisionLayout(interp_index=cat(index, 0, (4,), np.int32), interp_weight=cat(weight, 0, (4,), dtype),
                         rope_position=cat(rope, 0, (2,), np.int32), segment=cat(segment, -1, (), np.int32),
                         patches=n)
 
@@ -327,11 +328,12 @@ class Qwen3_5MoeVisionModel(nnx.Module):
         bucket (:func:`patch_bucket`)."""
         cfg = self.config
         pixels = np.asarray(pixel_values)
-        layout = vision_layout(grid_thw, cfg)
+        wide = self.dtype == jnp.float64
+        layout = vision_layout(grid_thw, cfg, dtype=np.float64 if wide else np.float32)
         if pixels.ndim != 2 or pixels.shape != (layout.patches, cfg.patch_dim):
             raise ValueError(f"pixel_values must be [{layout.patches}, {cfg.patch_dim}] for grids "
                              f"{np.asarray(grid_thw).tolist()}, got {list(pixels.shape)}")
-        padded = np.zeros((layout.bucket, cfg.patch_dim), np.float32 if pixels.dtype != np.float64 else np.float64)
+        padded = np.zeros((layout.bucket, cfg.patch_dim), np.float64 if wide else np.float32)
         padded[:layout.patches] = pixels
         graphdef, state = nnx.split(self)
         out = _jit_vision(graphdef, state, jnp.asarray(padded), layout.interp_index, layout.interp_weight,

@@ -622,3 +622,35 @@ RECIPES = {
                                 "ignore": IGNORE, "kv_cache": {"strategy": "tensor"}},
     "int4_asym_kv_head": _int_recipe(int_weights(4, group=32, symmetric=False), kv={"strategy": "attn_head"}),
 }
+
+
+def ct_vl_reference_logits(folder: str | Path, input_ids: np.ndarray, pixel_values: torch.Tensor,
+                           image_grid_thw: torch.Tensor) -> np.ndarray:
+    """float32 logits `[B, T, V]` of a compressed-tensors VL checkpoint with images, built from independent parts:
+    `ct_reference_model`'s text model (compressed-tensors' decompression), transformers' `Qwen3_5MoeVisionModel` with
+    the folder's `model.visual.*` tensors (upcast), the features scattered at the image tokens and transformers'
+    `get_rope_index` positions — what `Qwen3_5MoeForConditionalGeneration` does, without its quantized loading
+    (transformers 5.24 mis-loads pack-quantized experts of this layout)."""
+    import types
+
+    from transformers import Qwen3_5MoeModel, Qwen3_5MoeVisionConfig, Qwen3_5MoeVisionModel
+
+    config, tensors = _read_folder(folder)
+    text = ct_reference_model(folder)
+    vcfg = Qwen3_5MoeVisionConfig(**{k: v for k, v in config["vision_config"].items() if k != "model_type"})
+    vcfg._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        tower = Qwen3_5MoeVisionModel(vcfg).float().eval()
+    tower.load_state_dict({k.removeprefix("model.visual."): t.float() for k, t in tensors.items()
+                           if k.startswith("model.visual.")}, strict=True)
+    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)
+    image = ids == config["image_token_id"]
+    owner = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=vcfg),
+                                  get_vision_position_ids=lambda *a, **k: Qwen3_5MoeModel.get_vision_position_ids(
+                                      None, *a, **k))
+    with torch.no_grad():
+        features = tower(pixel_values.float(), grid_thw=image_grid_thw).pooler_output
+        embeds = text.model.embed_tokens(ids)
+        embeds[image] = features.to(embeds.dtype)
+        positions, _ = Qwen3_5MoeModel.get_rope_index(owner, ids, image.int(), image_grid_thw)
+        return text(inputs_embeds=embeds, position_ids=positions, use_cache=False).logits.float().numpy()

@@ -504,15 +504,15 @@ def write_vl_tokenizer(folder: str | Path) -> None:
 
 
 def write_vl_checkpoint(dst: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                        workdir: str | Path | None = None) -> str:
+                        workdir: str | Path | None = None, with_mtp: bool = False) -> str:
     """A tiny `Qwen3_5MoeForConditionalGeneration` folder: the tiny text model (seeded) in the official composite
     layout with a random 2-block vision tower (`tiny_vision_config`), its `VL_PREPROCESSOR`, a tokenizer
     (`write_vl_tokenizer`) and a generation_config stopping at `<|im_end|>`. `dtype`: the stored dtype of every
-    tensor (the tower included)."""
+    tensor (the tower included); `with_mtp`: also a random MTP head (fused experts), as the releases have."""
     dst = Path(dst)
     work = Path(workdir) if workdir is not None else dst.parent / (dst.name + "-text")
     save_hf(make_hf_model(tiny_text_config(), seed=seed).to(dtype), work)
-    write_official_layout(work, dst, seed=seed + 1, with_mtp=False, shards=1)
+    write_official_layout(work, dst, seed=seed + 1, with_mtp=with_mtp, shards=1)
     (dst / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR, indent=2) + "\n")
     write_vl_tokenizer(dst)
     (dst / "generation_config.json").write_text(json.dumps(
