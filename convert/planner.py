@@ -16,16 +16,26 @@ from collections import defaultdict
 import jax.numpy as jnp
 import numpy as np
 
-from qjax.checkpoint.layout import expected_tensors, is_linear, packed_tensors, per_expert_layout, text_prefix
+from qjax.checkpoint.layout import (
+    VISUAL_PREFIX,
+    expected_tensors,
+    is_linear,
+    packed_tensors,
+    per_expert_layout,
+    text_prefix,
+)
 from qjax.checkpoint.loading import check_folder, checkpoint_dtype, verify_folder
 from qjax.checkpoint.quant_plan import plan_quantization
 from qjax.checkpoint.safetensors_io import dtype_name
-from qjax.model.config import FULL, LINEAR, TextConfig
+from qjax.model.config import FULL, LINEAR, TextConfig, VisionConfig
 from qjax.model.dtypes import accum_dtype
 from qjax.model.qwen3_5_moe import abstract_model
 from qjax.model.sharding import abstract_plan, per_device_bytes
 from qjax.model.variables import variable_shapes
 from qjax.quant.config import QuantizationConfig
+
+# the float dtypes a stored vision tower keeps when no --dtype is given (as the loader picks it: its patch embedding's)
+_ST_FLOAT = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float32"}
 
 ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8}
@@ -118,7 +128,7 @@ class Plan:
     device_bytes: int  # parameters as qjax holds them
     kv_bytes_per_token: int  # per sequence, all full-attention layers
     gdn_bytes_per_sequence: int  # conv window + fp32 state, all GDN layers
-    skipped: dict[str, int]  # prefix → bytes on disk that qjax does not load (vision)
+    skipped: dict[str, int]  # prefix → bytes on disk that qjax does not load (the vision tower when not loaded)
     mesh: dict[str, int] | None = None  # axis sizes when planned for a mesh
     mesh_device_bytes: int = 0  # parameters each device holds on that mesh
     mesh_replicated_bytes: int = 0  # of which replicated on every device
@@ -126,6 +136,14 @@ class Plan:
     mesh_gdn_bytes_per_sequence: int = 0  # per device
     dtype: str = "bfloat16"  # what the model computes in (``model.dtype``: the checkpoint's, or --dtype)
     dtype_source: str = "the checkpoint's"  # why: "the checkpoint's" or "--dtype"
+    # the vision tower (``model.visual.*``): loaded with the model unless text-only or config.json has no
+    # vision_config; its tensors and bytes on disk, and the bytes qjax holds for it (part of ``device_bytes``)
+    vision_loaded: bool = False
+    vision_skip_reason: str = ""  # why it is not loaded (when the checkpoint has it): "--text-only", "no vision_config"
+    vision_tensors: int = 0
+    vision_disk_bytes: int = 0
+    vision_device_bytes: int = 0
+    vision_dtype: str | None = None  # what the loaded tower holds its weights and computes in
 
 
 def _label(key: str, dtype: str, quant_modules: dict[str, str]) -> str:
@@ -138,16 +156,28 @@ def _label(key: str, dtype: str, quant_modules: dict[str, str]) -> str:
 
 
 def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: QuantizationConfig | None,
-         *, dtype=None, mesh=None) -> Plan:
-    """Everything from headers: the loader's own plan + abstract model, so device bytes are what loading allocates."""
+         *, dtype=None, mesh=None, vision: VisionConfig | None = None, text_only: bool = False) -> Plan:
+    """Everything from headers: the loader's own plan + abstract model, so device bytes are what loading allocates.
+
+    ``vision``: the checkpoint's vision config (None: text-only config.json); the tower (``model.visual.*``) is part
+    of the model, as loading makes it, when the headers hold it and not ``text_only``."""
     keys = set(headers)
     prefix = text_prefix(keys)
     dtype_of = lambda k: headers[k][1]  # noqa: E731
     quant = plan_quantization(cfg, qc, keys, dtype_of, text_prefix=prefix, source="config.json")
     dt = jnp.dtype(dtype if dtype is not None else
                    checkpoint_dtype(headers.get(prefix + "embed_tokens.weight", (None, None))[1], cfg))
-    model = abstract_model(cfg, dtype=dt, with_mtp=any(k.startswith("mtp.") for k in keys), quant=quant)
-    device = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variable_shapes(model).values())
+    visual = [k for k in keys if k.startswith(VISUAL_PREFIX)]
+    with_visual = bool(visual) and vision is not None and not text_only
+    # the loader's choice (qjax.checkpoint.loading._structure): --dtype when given, else the stored float dtype
+    vision_dt = dt if dtype is not None or not with_visual else jnp.dtype(
+        _ST_FLOAT.get(headers.get(VISUAL_PREFIX + "patch_embed.proj.weight", (None, None))[1], dt.name))
+    model = abstract_model(cfg, dtype=dt, with_mtp=any(k.startswith("mtp.") for k in keys), quant=quant,
+                           vision=vision, vision_dtype=vision_dt, with_visual=with_visual)
+    shapes = variable_shapes(model)
+    nbytes = lambda v: int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize  # noqa: E731
+    device = sum(nbytes(v) for v in shapes.values())
+    vision_device = sum(nbytes(v) for p, v in shapes.items() if p[:1] == ("visual",)) if with_visual else 0
     quant_modules = {}
     for k in keys:
         for suffix in (".weight_packed", ".weight_scale"):
@@ -166,12 +196,15 @@ def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: Q
     gdn = n_lin * ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * np.dtype(dt).itemsize
                    + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
                    * accum_dtype(dt).itemsize)
-    skipped = defaultdict(int)
-    for k, (shape, d) in headers.items():
-        if k.startswith("model.visual."):
-            skipped["model.visual.*"] += int(np.prod(shape)) * ST_ITEMSIZE[d]
+    vision_disk = sum(int(np.prod(headers[k][0])) * ST_ITEMSIZE[headers[k][1]] for k in visual)
+    skipped = {VISUAL_PREFIX + "*": vision_disk} if visual and not with_visual else {}
     out = Plan(cfg, headers, {k: _label(k, d, quant_modules) for k, (_, d) in headers.items()}, int(device), kv, gdn,
-               dict(skipped), dtype=dt.name, dtype_source="the checkpoint's" if dtype is None else "--dtype")
+               skipped, dtype=dt.name, dtype_source="the checkpoint's" if dtype is None else "--dtype",
+               vision_loaded=with_visual,
+               vision_skip_reason="" if with_visual or not visual else
+               ("--text-only" if vision is not None else "config.json has no vision_config"),
+               vision_tensors=len(visual), vision_disk_bytes=vision_disk, vision_device_bytes=vision_device,
+               vision_dtype=vision_dt.name if with_visual else None)
     if mesh is not None:
         _plan_mesh(out, model, mesh)
     return out
@@ -188,13 +221,13 @@ def _plan_mesh(p: Plan, model, mesh) -> None:
     p.mesh_gdn_bytes_per_sequence = p.gdn_bytes_per_sequence // tp
 
 
-def plan_folder(path: str, *, dtype=None, mesh=None, verify: bool = False) -> Plan:
+def plan_folder(path: str, *, dtype=None, mesh=None, verify: bool = False, text_only: bool = False) -> Plan:
     """The plan of a checkpoint folder, after every check loading makes short of reading tensor data
     (:func:`qjax.checkpoint.loading.check_folder`; with ``verify`` the values too): a folder qjax cannot load is an
-    error here too."""
+    error here too. The vision tower counts as loading holds it (``load_model(path, text_only=text_only)``)."""
 
     cfg, qc, headers = (verify_folder if verify else check_folder)(path)
-    return plan(cfg, headers, qc, dtype=dtype, mesh=mesh)
+    return plan(cfg, headers, qc, dtype=dtype, mesh=mesh, vision=VisionConfig.from_file(path), text_only=text_only)
 
 
 def plan_recipe(config_path: str, recipe: str, *, dtype="bfloat16", mesh=None) -> Plan:
@@ -243,24 +276,39 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**28 else f"{n / 2**20:,.2f} MiB"
 
 
+def vision_label(p: Plan) -> str:
+    """The ``qjax inspect`` row of the vision tower's tensors: loaded (and in which dtype), or skipped and why."""
+    if p.vision_loaded:
+        return f"vision tower ({VISUAL_PREFIX}*, kept in {p.vision_dtype})"
+    return f"vision tower ({VISUAL_PREFIX}*, skipped: {p.vision_skip_reason})"
+
+
 def format_plan(p: Plan, *, title: str) -> str:
     """The report ``qjax inspect`` prints."""
     by_scheme: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     for k, (shape, d) in p.headers.items():
-        label = "skipped (vision)" if k.startswith("model.visual.") else p.scheme_of[k]
+        label = vision_label(p) if k.startswith(VISUAL_PREFIX) else p.scheme_of[k]
         cell = by_scheme[label][d]
         cell[0] += 1
         cell[1] += int(np.prod(shape)) * ST_ITEMSIZE[d]
-    lines = [title, "", f"{'scheme':<22} {'dtype':<8} {'tensors':>8} {'bytes':>14}"]
+    width = max([22, *map(len, by_scheme)])
+    lines = [title, "", f"{'scheme':<{width}} {'dtype':<8} {'tensors':>8} {'bytes':>14}"]
     total = 0
     for label in sorted(by_scheme):
         for d, (n, b) in sorted(by_scheme[label].items()):
-            lines.append(f"{label:<22} {d:<8} {n:>8,} {_gib(b):>14}")
+            lines.append(f"{label:<{width}} {d:<8} {n:>8,} {_gib(b):>14}")
             total += b
+    held = f"device memory, weights as qjax holds them: {_gib(p.device_bytes)}"
+    if p.vision_loaded:
+        held += (f" (vision tower: {p.vision_tensors:,} tensors, {_gib(p.vision_device_bytes)} in {p.vision_dtype}; "
+                 "inspect --text-only leaves it out)")
+    elif p.vision_tensors:
+        held += (f" (vision tower not loaded — {p.vision_skip_reason}: its {p.vision_tensors:,} tensors, "
+                 f"{_gib(p.vision_disk_bytes)} on disk, are left out)")
     lines += ["", f"on disk: {_gib(total)} in {len(p.headers):,} tensors",
               f"computes in: {p.dtype} ({p.dtype_source}; matmuls, norms, softmaxes and the GDN state accumulate in "
               f"{accum_dtype(p.dtype).name})",
-              f"device memory, weights as qjax holds them: {_gib(p.device_bytes)}",
+              held,
               f"KV cache: {p.kv_bytes_per_token / 1024:,.2f} KiB per token per sequence "
               f"({sum(t == FULL for t in p.cfg.layer_types)} full-attention layers)",
               f"GDN state: {_gib(p.gdn_bytes_per_sequence)} per sequence "

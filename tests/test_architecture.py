@@ -21,17 +21,18 @@ ROOMS = {
     "validation": set(),
     "tokenizer": {"validation"},
     "model": {"kernels", "validation"},
+    "multimodal": {"model", "validation"},
     "quant": {"model", "kernels", "validation"},
-    "checkpoint": {"model", "quant", "kernels", "validation"},
+    "checkpoint": {"model", "multimodal", "quant", "kernels", "validation"},
     "convert": {"checkpoint", "model", "quant", "validation"},
     "autoround": {"checkpoint", "convert", "model", "quant", "kernels", "validation", "init"},
-    "runtime": {"checkpoint", "convert", "model", "quant", "kernels", "validation"},
-    "serving": {"runtime", "model", "tokenizer", "validation"},
+    "runtime": {"checkpoint", "convert", "model", "multimodal", "quant", "kernels", "validation"},
+    "serving": {"runtime", "model", "multimodal", "tokenizer", "validation"},
     "evaluation": {"runtime", "checkpoint", "model", "tokenizer", "validation", "init"},
     "builtin": {"evaluation", "runtime", "checkpoint", "model", "tokenizer", "validation"},
-    "cli": {"autoround", "builtin", "checkpoint", "convert", "evaluation", "model", "runtime", "serving",
+    "cli": {"autoround", "builtin", "checkpoint", "convert", "evaluation", "model", "multimodal", "runtime", "serving",
             "tokenizer", "validation", "xla_env", "init"},
-    "init": {"xla_env"},  # qjax/__init__.py: its public names are imported on first use
+    "init": {"xla_env", "multimodal"},  # qjax/__init__.py: its public names are imported on first use
 }
 # third-party packages that are optional (test extras or a command's own extra): imported where they are used
 OPTIONAL = {"torch", "transformers", "lm_eval", "compressed_tensors", "auto_round", "uvicorn"}

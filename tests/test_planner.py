@@ -67,3 +67,36 @@ def test_inspect_says_what_the_model_computes_in(tiny_hf, capsys, x64):
     with pytest.raises(SystemExit):
         main(["inspect", tiny_hf[1], "--dtype", "int8"])
     assert "the model cannot compute in 'int8'" in capsys.readouterr().err
+
+
+def test_planner_counts_the_vision_tower_as_loading_holds_it(official_dir):
+    """A checkpoint with a vision tower (the official layout: model.visual.*, mtp.*, 2 shards): the tower is part of
+    the predicted device memory as loading holds it — in its stored dtype, or --dtype's —, and left out (listed as
+    skipped) with text_only; its tensor count and bytes on disk are the headers' own."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from qjax.convert.planner import ST_ITEMSIZE, format_plan, plan_folder
+
+    def held(model):
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(model)))
+
+    for dtype, text_only in ((None, False), ("bfloat16", False), (None, True)):
+        p = plan_folder(official_dir, dtype=dtype, text_only=text_only)
+        visual = {k: v for k, v in p.headers.items() if k.startswith("model.visual.")}
+        disk = sum(int(np.prod(shape)) * ST_ITEMSIZE[d] for shape, d in visual.values())
+        assert visual
+        model = qjax.load_model(official_dir, dtype=dtype, text_only=text_only, verify=False)
+        assert p.device_bytes == held(model), (dtype, text_only)
+        assert (p.vision_tensors, p.vision_disk_bytes, p.vision_loaded) == (len(visual), disk, not text_only)
+        tower = held(model.visual) if model.visual is not None else 0
+        assert p.vision_device_bytes == tower
+        report = format_plan(p, title="t")
+        if text_only:
+            assert p.skipped == {"model.visual.*": disk} and tower == 0
+            assert "vision tower (model.visual.*, skipped: --text-only)" in report
+        else:
+            assert p.skipped == {} and p.vision_dtype == model.visual.patch_embed.proj.weight[...].dtype.name
+            assert f"vision tower (model.visual.*, kept in {p.vision_dtype})" in report
+            assert p.vision_dtype == (dtype or "float32")  # stored float32; --dtype wins

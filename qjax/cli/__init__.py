@@ -2,8 +2,9 @@
 
     qjax demo                         random tiny model → HF folder → load → generate (no download)
     qjax generate --model DIR PROMPT  generate from a checkpoint folder (text with its tokenizer.json, or --ids)
-    qjax chat --model DIR             interactive chat through the checkpoint's chat template
-    qjax inspect PATH | --config C --recipe R   sizes and predicted device memory
+    qjax generate --model DIR --image PATH PROMPT   one chat turn about an image (repeat --image for several)
+    qjax chat --model DIR             interactive chat through the checkpoint's chat template (/image PATH attaches)
+    qjax inspect PATH [--text-only] | --config C --recipe R   sizes and predicted device memory
     qjax quantize --model DIR --dataset FILE --output_dir OUT [auto-round flags]   AutoRound → compressed-tensors
     qjax bench [--scale 8] [--recipe R]   prefill/decode speed of a random-weight model of a config + recipe
     qjax serve [MODEL] [vLLM's flags]   OpenAI-compatible server with continuous batching
@@ -108,13 +109,17 @@ def cmd_inspect(a) -> int:
         if a.config is None or a.path is not None:
             print("error: use either PATH, or --config CONFIG.json with --recipe RECIPE", file=sys.stderr)
             return 2
+        if a.text_only:
+            print("error: --text-only applies to a checkpoint PATH (a --config/--recipe plan has no vision tower)",
+                  file=sys.stderr)
+            return 2
         p = plan_recipe(a.config, a.recipe or "bf16", dtype=a.dtype or "bfloat16", mesh=a.mesh)
         title = f"{a.config} with recipe {a.recipe or 'bf16'!r} (hypothetical, from shapes)"
     else:
         if a.path is None:
             print("error: give a checkpoint PATH, or --config with --recipe", file=sys.stderr)
             return 2
-        p = plan_folder(a.path, dtype=a.dtype, mesh=a.mesh, verify=a.verify)
+        p = plan_folder(a.path, dtype=a.dtype, mesh=a.mesh, verify=a.verify, text_only=a.text_only)
         title = f"{a.path}"
     print(format_plan(p, title=title))
     if a.path is not None:
@@ -148,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint folder (config.json + safetensors; default: the built-in model)")
     g.add_argument("--ids", default=None, help="prompt as token ids ('1 2 3') instead of text")
     g.add_argument("--chat", action="store_true", help="render PROMPT as a user message with the chat template")
+    g.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image file for the model to look at (repeatable; needs a checkpoint with its vision "
+                        "tower): the images, then PROMPT, make one user message through the chat template (implies "
+                        "--chat)")
     from qjax.cli.chat import add_chat_prompt_arguments, add_sampling_arguments
     add_chat_prompt_arguments(g)
     g.add_argument("prompt", nargs="?", default=None)
@@ -164,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print per-device memory on this mesh, e.g. tensor=2,expert=2 (no devices needed)")
     i.add_argument("--verify", action="store_true",
                    help="also read every tensor and check its values (NaN, infinity, zero scales)")
+    i.add_argument("--text-only", action="store_true",
+                   help="plan a load without the vision tower (model.visual.*): listed as skipped, left out of the "
+                        "device memory")
     i.set_defaults(func=cmd_inspect)
     q = sub.add_parser("quantize", help="AutoRound (SignRound) quantization with auto-round's flags and defaults")
     from qjax.autoround.api import add_arguments
