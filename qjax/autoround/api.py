@@ -74,7 +74,8 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
     read_documents(dataset)  # a broken calibration file is reported now, not after loading the model
     if not resume:
         preflight(output_dir, 2 * _output_bytes(model_dir, cfg))  # the output + the progress blocks, at the end
-    model = qjax.load_model(model_dir, dtype=jnp.dtype(dtype) if dtype else None)
+    # text only: AutoRound tunes the decoder; the export copies the tower from the source as stored
+    model = qjax.load_model(model_dir, dtype=jnp.dtype(dtype) if dtype else None, text_only=True)
     tokenizer = None
     try:
         tokenizer = load_tokenizer(model_dir)

@@ -268,7 +268,7 @@ def compare_truth(folder: str, ids, *, dtypes=("float32", "bfloat16"), quiet: bo
     except ReferenceError as e:
         raise CompareError(f"--model {folder}: no reference: {e}") from None
     del truth_ref
-    mine = _rows_of(_qjax_states(qjax.load_model(folder, dtype="float64"), ids))
+    mine = _rows_of(_qjax_states(qjax.load_model(folder, dtype="float64", text_only=True), ids))
     errors: list[dict] = [{} for _ in truth]
     top1 = {}
     for d in dtypes:
@@ -276,7 +276,7 @@ def compare_truth(folder: str, ids, *, dtypes=("float32", "bfloat16"), quiet: bo
             ref = build_reference(folder, d)
         except ReferenceError as e:
             raise CompareError(f"--model {folder}: no {d} reference: {e}") from None
-        sides = {"qjax": _rows_of(_qjax_states(qjax.load_model(folder, dtype=d), ids)),
+        sides = {"qjax": _rows_of(_qjax_states(qjax.load_model(folder, dtype=d, text_only=True), ids)),
                  "transformers": _rows_of(_transformers_states(ref.model, ids))}
         for i, t in enumerate(truth):
             errors[i][d] = {side: _truth_rel(states[i], t) for side, states in sides.items()}
@@ -314,7 +314,7 @@ def compare_folder(folder: str, ids, *, dtype=None, quiet: bool = False) -> Comp
         ref = build_reference(folder)
     except ReferenceError as e:
         raise CompareError(f"--model {folder}: no reference: {e}") from None
-    model = qjax.load_model(folder, dtype=jnp.dtype(dtype) if dtype else jnp.float32)
+    model = qjax.load_model(folder, dtype=jnp.dtype(dtype) if dtype else jnp.float32, text_only=True)
     if model.kv_fp8 != ref.fp8_kv:
         raise CompareError(f"--model {folder}: qjax {'runs' if model.kv_fp8 else 'does not run'} an FP8 KV cache but "
                            "the reference would not match it")

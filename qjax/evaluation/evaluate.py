@@ -254,7 +254,7 @@ def perplexity_of_file(model_dir: str, data: str, *, seqlen: int = 2048, batch: 
             f"{data} has"
         requested, seqlen = seqlen, int(ids.size - 1)
         note = f"{where} {ids.size} tokens, fewer than --seqlen {requested} + 1: scored as one window of {seqlen}"
-    model = qjax.load_model(model_dir, dtype=dtype)
+    model = qjax.load_model(model_dir, dtype=dtype, text_only=True)
     _check_ids(ids, model.config.vocab_size, f"--data {data}")
     nll, n = mean_nll(model, ids, seqlen, batch, progress=progress)
     windows = n // seqlen
@@ -454,7 +454,7 @@ def fidelity(model_dir: str, reference_dir: str, prompts: Sequence[str], *, max_
         raise EvalError(f"--chat: --reference {reference_dir} has no chat template (pass --no-chat)")
     prompt_ids = encode_prompts(prompts, tokenizer, chat=chat, enable_thinking=enable_thinking)
 
-    reference = qjax.load_model(reference_dir, dtype=dtype)
+    reference = qjax.load_model(reference_dir, dtype=dtype, text_only=True)
     for ids in prompt_ids:
         _check_ids(np.asarray(ids), reference.config.vocab_size, "--prompts")
     stop = set(tokenizer.stop_token_ids) | set(reference.generation_config.eos_token_id)
@@ -465,7 +465,7 @@ def fidelity(model_dir: str, reference_dir: str, prompts: Sequence[str], *, max_
     model_dtype = str(reference.dtype)
     del reference
     gc.collect()
-    model = qjax.load_model(model_dir, dtype=dtype)
+    model = qjax.load_model(model_dir, dtype=dtype, text_only=True)
     scores = score_answers(model, prompt_ids, answers, max_new_tokens=max_new_tokens, batch=batch,
                            progress=progress, desc="model: scoring")
     if str(model.dtype) != model_dtype:

@@ -127,7 +127,7 @@ class QJaxLM(TemplateLM):
         else:
             raise ValueError(f"qjax model_args dtype={dtype!r}: expected one of {list(MODEL_DTYPES)} or auto")
         self._tok = Tokenizer.from_folder(self.pretrained)  # first: TokenizerError names a missing tokenizer.json
-        self.model = qjax.load_model(self.pretrained, dtype=jdtype)
+        self.model = qjax.load_model(self.pretrained, dtype=jdtype, text_only=True)
         self._graphdef, self._state = nnx.split(self.model)
         cfg = self.model.config
         eos = [i for i in (self._tok.eos_token_id, *cfg.eos_token_id, *self._tok.stop_token_ids) if i is not None]
