@@ -33,7 +33,6 @@ IGNORED_FLAGS: dict[str, str] = {
     "--disable-log-requests": "qjax does not log requests",
     "--disable-log-stats": "qjax logs no periodic stats",
     "--data-parallel-size-local": "one host: every data-parallel rank is local",
-    "--limit-mm-per-prompt": "qjax serves text only (the vision tower is not loaded)",
     "--swap-space": "qjax does not swap K/V to the host",
     "--block-size": "qjax keeps one cache row per sequence (no paged blocks)",
     "--mamba-cache-mode": "qjax keeps one GDN state per sequence",
@@ -44,9 +43,9 @@ IGNORED_FLAGS: dict[str, str] = {
     "--enable-chunked-prefill": "qjax always prefills in chunks of at most --max-num-batched-tokens",
     "--distributed-executor-backend": "qjax runs one SPMD program (jax.distributed for several hosts)",
 }
-_VALUE_IGNORED = {"--gdn-prefill-backend", "--moe-backend", "--data-parallel-size-local", "--limit-mm-per-prompt",
-                  "--swap-space", "--block-size", "--mamba-cache-mode", "--compilation-config",
-                  "--tool-call-parser", "--distributed-executor-backend"}
+_VALUE_IGNORED = {"--gdn-prefill-backend", "--moe-backend", "--data-parallel-size-local", "--swap-space",
+                  "--block-size", "--mamba-cache-mode", "--compilation-config", "--tool-call-parser",
+                  "--distributed-executor-backend"}
 # vLLM's --dtype spellings → qjax.model.dtypes.MODEL_DTYPES (float64 is qjax's own: every step in float64)
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
           "float32": "float32", "float": "float32", "float64": "float64", "double": "float64"}
@@ -115,6 +114,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding with the checkpoint\'s own head, as vLLM: '
                         '\'{"method": "mtp", "num_speculative_tokens": 3}\'')
+    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='the most images per request, as vLLM: \'{"image": 4}\' (or image=4); image 0 does not load '
+                        'the vision tower (text only). video and audio are accepted and always refused per request')
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let requests read file:// images under DIR (symbolic links resolved); without it file:// "
+                        "URLs are refused. A security risk: only for trusted clients")
     p.add_argument("--no-warmup", action="store_true", help="compile the engine's programs on first use")
     add_verify_argument(p)
     for flag, why in IGNORED_FLAGS.items():
@@ -273,6 +278,61 @@ def speculative_tokens(text: str | None) -> int:
     return k
 
 
+MM_MODALITIES = ("image", "video", "audio")
+# vLLM's per-modality options beside "count" (they size its memory-profiling dummy inputs; nothing in qjax)
+_MM_OPTIONS = ("width", "height", "num_frames", "length")
+
+
+def mm_limits(text: str | None) -> dict[str, int]:
+    """``--limit-mm-per-prompt`` → items per request by modality: vLLM's JSON (``{"image": 4, "video": 0}``; a
+    modality's value an integer or ``{"count": N, …}``) or its older ``image=4,video=0`` form. Anything else, an
+    unknown modality or a negative count is a :class:`ServeError` naming it."""
+    if text is None:
+        return {}
+    import json
+
+    flag = "--limit-mm-per-prompt"
+    if text.strip().startswith("{"):
+        try:
+            conf = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ServeError(f"{flag}: not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+        if not isinstance(conf, dict):
+            raise ServeError(f"{flag}: a JSON object is expected, got {text!r}")
+    else:
+        conf = {}
+        for item in text.split(","):
+            key, sep, value = item.partition("=")
+            if not sep or not value.strip().isdigit():
+                raise ServeError(f"{flag}: expected JSON like '{{\"image\": 4}}' or image=4,video=0, got {text!r}")
+            conf[key.strip()] = int(value)
+    out = {}
+    for key, value in conf.items():
+        if key not in MM_MODALITIES:
+            raise ServeError(f"{flag}: unknown modality {key!r} (one of {', '.join(MM_MODALITIES)})")
+        if isinstance(value, dict):
+            extra = sorted(set(value) - {"count", *_MM_OPTIONS})
+            if extra or "count" not in value:
+                raise ServeError(f"{flag}: {key}: an object needs \"count\" (and may have "
+                                 f"{', '.join(_MM_OPTIONS)}), got {json.dumps(value)}")
+            value = value["count"]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ServeError(f"{flag}: {key}: the count must be a non-negative integer, got {value!r}")
+        out[key] = value
+    return out
+
+
+def media_path(path: str | None) -> str | None:
+    """``--allowed-local-media-path``, resolved; it must be an existing folder (as vLLM requires)."""
+    if path is None:
+        return None
+    real = os.path.realpath(path)
+    if not os.path.isdir(real):
+        why = "not a folder" if os.path.exists(real) else "no such folder"
+        raise ServeError(f"--allowed-local-media-path {path}: {why}")
+    return real
+
+
 def run_serve(a: argparse.Namespace) -> int:
     try:
         return _serve(a)
@@ -286,6 +346,8 @@ def _serve(a: argparse.Namespace) -> int:
         if getattr(a, flag.lstrip("-").replace("-", "_"), None) not in (None, False):
             _note(f"{flag}: ignored ({IGNORED_FLAGS[flag]})")
     spec_tokens = speculative_tokens(a.speculative_config)
+    limits = mm_limits(a.limit_mm_per_prompt)
+    local_media = media_path(a.allowed_local_media_path)
     if a.model_tag and a.model and a.model_tag != a.model:
         raise ServeError(f"two models given: {a.model_tag!r} and --model {a.model!r}")
     name = a.model_tag or a.model
@@ -331,7 +393,14 @@ def _serve(a: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise ServeError(f"--chat-template {a.chat_template}: cannot read ({e})") from None
     dtype = DTYPES[a.dtype]
-    model = qjax.load_model(folder, dtype=dtype, mesh=mesh, verify=a.verify)
+    text_only = limits.get("image") == 0
+    model = qjax.load_model(folder, dtype=dtype, mesh=mesh, verify=a.verify, text_only=text_only)
+    if text_only:
+        _note("--limit-mm-per-prompt image 0: the vision tower is not loaded (image input is refused)")
+    elif model.visual is not None:
+        _note("image input on (the vision tower is loaded"
+              + (f"; at most {limits['image']} per request" if limits.get("image") is not None else "")
+              + ("; refused with --speculative-config" if spec_tokens else "") + ")")
     if a.kv_cache_dtype in ("fp8", "fp8_e4m3"):
         if not model.kv_fp8:
             _note("--kv-cache-dtype fp8: the checkpoint has no static K/V scales; using 1.0 (as vLLM does)")
@@ -381,7 +450,8 @@ def _serve(a: argparse.Namespace) -> int:
         print(f"qjax serve: compiled {n} engine programs", file=sys.stderr, flush=True)
     state = ServerState(engine=engine, tokenizer=tokenizer, served_names=served, root=folder, metrics=metrics,
                         defaults=Defaults.from_generation_config(gc), api_key=a.api_key,
-                        reasoning_parser=a.reasoning_parser, max_waiting=a.max_waiting_requests)
+                        reasoning_parser=a.reasoning_parser, max_waiting=a.max_waiting_requests,
+                        image_limit=limits.get("image"), media_path=local_media)
     return serve_app(create_app(state), engine, a.host, a.port, a.uvicorn_log_level)
 
 

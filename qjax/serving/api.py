@@ -6,6 +6,12 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 Every refusal is OpenAI's error object with its status (400 for a malformed or invalid request, 401 without the
 ``--api-key``, 404 for an unknown model or route); the server keeps serving after each.
 
+Chat messages may carry images (``image_url`` parts with a ``data:`` URI, or a ``file://`` path under
+``--allowed-local-media-path``; qjax never fetches a remote URL). They are decoded, preprocessed and run through the
+vision tower on a worker thread (the tower one request at a time), never on the event loop; the request then enters
+the engine as its expanded prompt (one token per merged patch, what ``usage.prompt_tokens`` counts) with the
+features and M-RoPE positions (:class:`~qjax.serving.engine.ImageInput`).
+
 The engine runs on its own thread; each HTTP request submits its choices there and awaits their outputs on an
 asyncio queue. A client that goes away (a closed stream, a dropped connection) aborts its requests: their slots
 are free at the engine's next step.
@@ -17,7 +23,10 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
+import threading
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -26,18 +35,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..multimodal.images import ImageError, decode_image_url, num_image_tokens
+from ..multimodal.positions import PromptError, expand_image_tokens
+from ..multimodal.prompt import check_vision, image_processor
 from ..tokenizer import TokenizerError
 from ..validation import parse_json
-from .engine import Engine, EngineError
+from .engine import Engine, EngineError, ImageInput, encode_images
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     Defaults,
+    ImagePart,
     ReasoningStream,
     TextAssembler,
     chat_logprobs,
+    chat_messages,
     completion_logprobs,
     completion_prompts,
     envelope,
@@ -66,7 +80,11 @@ class ServerState:
     api_key: str | None = None
     reasoning_parser: str | None = None  # "qwen3" (deepseek_r1 behaves the same for these tags)
     max_waiting: int = 1024  # engine requests (prompts × n) queued at most; beyond it a request gets 503
+    image_limit: int | None = None  # --limit-mm-per-prompt's image count (None: no limit; 0: the tower not loaded)
+    media_path: str | None = None  # --allowed-local-media-path, resolved (None: file:// URLs refused)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # one vision-tower call at a time (each is a device program as large as its images)
+    vision_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
     def max_model_len(self) -> int:
@@ -139,7 +157,10 @@ def create_app(state: ServerState) -> FastAPI:
         body = await _json_object(request)
         if "messages" in body:
             req = _parse(ChatCompletionRequest, body)
-            ids = _chat_prompt(state, req)
+            ids, images = _chat_prompt(state, req)
+            if images:  # the expanded count, as the request would use it (the tower does not run)
+                pil = await asyncio.to_thread(_decode_images, state, images)
+                ids = _expand(state, ids, pil)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -184,8 +205,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat(request: Request):
         req = _parse(ChatCompletionRequest, await _json_object(request))
         model = state.model_name(req.model)
-        ids = _chat_prompt(state, req)
+        ids, images = _chat_prompt(state, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        image_input = None
+        if images:
+            ids, image_input = await _image_prompt(state, ids, images, max_tokens)
         if max_tokens is None:
             max_tokens = max(state.max_model_len - len(ids), 0)
             if max_tokens == 0:
@@ -194,7 +218,8 @@ def create_app(state: ServerState) -> FastAPI:
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        run = _Run(state, request, model, req, [ids], max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None)
+        run = _Run(state, request, model, req, [ids], max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None,
+                   images=[image_input])
         kwargs = req.chat_template_kwargs or {}
         run.thinking = state.reasoning_parser is not None and kwargs.get("enable_thinking", True) is not False
         run.submit()
@@ -244,17 +269,12 @@ def _check_ids(ids, vocab: int, field: str) -> None:
         raise ApiError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", param=field)
 
 
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-
-    messages = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are supported "
-                                        f"(got type {part.get('type')!r})", param="messages")
-        messages.append({**m.model_dump(exclude_none=True), "content": content if content is not None else ""})
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], list[ImagePart]]:
+    """The rendered prompt's ids (one image placeholder per image) and the request's images, which this server
+    must be able to take (:func:`_check_images`)."""
+    messages, images = chat_messages(req)
+    if images:
+        _check_images(state, images)
     kwargs = dict(req.chat_template_kwargs or {})
     try:
         text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
@@ -264,7 +284,106 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     ids = state.tokenizer.encode(text)
     if not ids:
         raise ApiError(400, "messages: the rendered prompt is empty", param="messages")
-    return ids
+    return ids, images
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# images
+# ---------------------------------------------------------------------------------------------------------------------
+def _check_images(state: ServerState, images: list[ImagePart]) -> None:
+    """Refuse a request's images before any is read: the server's limit, a model without its tower, speculation."""
+    where = images[0].where
+    if state.image_limit == 0:
+        raise ApiError(400, f"{where}: image input is disabled on this server (--limit-mm-per-prompt image 0: the "
+                            "vision tower is not loaded)", param="messages")
+    if state.image_limit is not None and len(images) > state.image_limit:
+        raise ApiError(400, f"messages: {len(images)} images in one request, more than the {state.image_limit} "
+                            f"per prompt that --limit-mm-per-prompt allows", param="messages")
+    try:
+        check_vision(state.engine.model)
+    except PromptError as e:
+        raise ApiError(400, f"{where}: image input is unavailable: {e}; only text parts are supported",
+                       param="messages") from None
+    if state.engine.k:
+        raise ApiError(400, f"{where}: image input with MTP speculative decoding (--speculative-config) is not "
+                            "supported; serve without it to take images", param="messages")
+
+
+def _decode_images(state: ServerState, images: list[ImagePart]) -> list:
+    """The decoded images (a worker thread's job: Pillow, file reads); an :class:`ApiError` naming the part."""
+    try:
+        return [decode_image_url(_local_url(state, im), where=im.where) for im in images]
+    except ImageError as e:
+        raise ApiError(400, str(e), param="messages") from None
+
+
+def _local_url(state: ServerState, im: ImagePart) -> str:
+    """``im.url``; a ``file://`` URL only under ``--allowed-local-media-path`` (symbolic links resolved; vLLM's
+    rule), given on as the resolved path's URL so that the file checked is the file read."""
+    if im.url[:5].lower() != "file:":
+        return im.url
+    if state.media_path is None:
+        raise ImageError(f"{im.where}: file:// image URLs are refused: this server reads local images only under "
+                         "--allowed-local-media-path DIR; send the image as a data: URI")
+    parts = urllib.parse.urlsplit(im.url)
+    path = urllib.parse.unquote(parts.path)
+    if parts.netloc not in ("", "localhost") or parts.query or parts.fragment or not path.startswith("/") \
+            or "\x00" in path:
+        return im.url  # decode_image_url names what is wrong with it
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, state.media_path]) != state.media_path:
+        raise ImageError(f"{im.where}: {path} is not under --allowed-local-media-path {state.media_path}")
+    return "file://" + urllib.parse.quote(real)
+
+
+def _expand(state: ServerState, ids: list[int], pil: list) -> list[int]:
+    """``ids`` with each image placeholder widened to its image's merged-patch count."""
+    model = state.engine.model
+    proc = image_processor(model)
+    counts = []
+    for i, im in enumerate(pil):
+        try:
+            counts.append(num_image_tokens(im.height, im.width, proc))
+        except ImageError as e:
+            raise ApiError(400, f"image {i}: {e}", param="messages") from None
+    try:
+        return expand_image_tokens(ids, counts, model.vision_config.image_token_id)
+    except PromptError as e:
+        raise ApiError(400, f"messages: {e} (each image part renders one <|image_pad|>)", param="messages") from None
+
+
+async def _image_prompt(state: ServerState, ids: list[int], images: list[ImagePart],
+                        max_tokens: int | None) -> tuple[list[int], ImageInput]:
+    """Decode, check the expanded length, then preprocess and encode the images (worker threads; the tower under
+    the server's lock): the expanded prompt and its :class:`ImageInput`."""
+    pil = await asyncio.to_thread(_decode_images, state, images)
+    expanded = _expand(state, ids, pil)
+    n, limit = len(expanded), state.max_model_len
+    if max_tokens is not None and n + max_tokens > limit:
+        raise ApiError(400, f"prompt ({n} tokens with its images) + max_tokens ({max_tokens}) = {n + max_tokens} "
+                            f"exceeds max_model_len {limit}", param="messages")
+    if max_tokens is None and n >= limit:
+        raise ApiError(400, f"the prompt is {n} tokens with its images, which leaves no room in max_model_len "
+                            f"{limit}", param="messages")
+
+    def encode():
+        with state.vision_lock:
+            return encode_images(state.engine.model, ids, pil)
+
+    try:
+        out_ids, image_input = await asyncio.to_thread(encode)
+    except (ImageError, PromptError) as e:
+        raise ApiError(400, _name_image(str(e), images), param="messages") from None
+    return out_ids, image_input
+
+
+def _name_image(message: str, images: list[ImagePart]) -> str:
+    """A preprocessing error's ``images[i]`` / ``image i`` prefix replaced by the request part it came from."""
+    for i, im in enumerate(images):
+        for prefix in (f"images[{i}]: ", f"image {i}: "):
+            if message.startswith(prefix):
+                return f"{im.where}: {message[len(prefix):]}"
+    return f"messages: {message}"
 
 
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
@@ -290,8 +409,10 @@ class _Run:
     """One HTTP request's engine requests (prompts × n) and how their outputs become a response."""
 
     def __init__(self, state: ServerState, request: Request, model: str, req, prompts: list[list[int]], *,
-                 max_tokens: int, logprobs: int | None, prompt_logprobs: int | None):
+                 max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                 images: list[ImageInput | None] | None = None):
         self.state, self.request, self.model, self.req, self.prompts = state, request, model, req, prompts
+        self.images = images or [None] * len(prompts)
         self.id = new_id("cmpl" if isinstance(req, CompletionRequest) else "chatcmpl")
         self.created = int(time.time())
         self.logprobs = logprobs
@@ -307,7 +428,7 @@ class _Run:
                 sp = sampling_params(req, state.defaults, max_tokens=max_tokens, logprobs=logprobs,
                                      prompt_logprobs=prompt_logprobs, seed=seed)
                 try:
-                    state.engine.validate(ids, sp)
+                    state.engine.validate(ids, sp, self.images[p])
                 except EngineError as e:
                     which = f"prompt[{p}] " if len(prompts) > 1 else ""
                     raise ApiError(400, f"{which}{e}") from None
@@ -331,7 +452,7 @@ class _Run:
 
         for ch, sp in zip(self.choices, self.params):
             self.state.engine.add_request(ch.request_id, self.prompts[ch.prompt], sp,
-                                          lambda out, i=ch.index: deliver(i, out))
+                                          lambda out, i=ch.index: deliver(i, out), images=self.images[ch.prompt])
 
     def abort_unfinished(self) -> None:
         for ch in self.choices:

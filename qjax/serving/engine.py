@@ -24,6 +24,16 @@ then covers the prompt) and drafts after the last one; decode is one verify roun
 (:mod:`qjax.runtime.speculative`): each running row emits 1 … k + 1 tokens, by its own acceptance, and the next
 drafts. Greedy rows emit exactly what they emit without speculation; sampled rows draw from the same distribution.
 
+**Images.** A request may carry an :class:`ImageInput` (:func:`encode_images`: the prompt's image placeholders
+expanded to the merged-patch counts, the prompt's M-RoPE position rows, the vision tower's features of its image
+tokens), made off the engine's thread. A prefill call whose chunks hold an image request's tokens runs a second
+compiled variant of the prefill program that also takes ``position_ids [3, P, T]`` (the image request's rows
+sliced from its prompt's positions; text rows ``cursor + arange``) and ``image_embeds [P·T, H]`` (the features of
+the image tokens in the call's chunks in row-major order, each chunk's starting at the count its earlier chunks
+consumed, zero rows after them): a chunk may split an image. Calls without an image request run the text program
+unchanged. After the prompt the row's next position is its largest prompt position + 1, so decoding needs nothing
+more. Images with MTP speculation are refused.
+
 A request alone and a request in any batch run the same arithmetic on their own row: float32 greedy tokens equal
 ``qjax.generate``'s for that prompt, and a seeded request draws with ``jax.random.key(seed)`` split once per token,
 as ``qjax.generate`` does, so sampled tokens equal too (tests/test_serving_engine.py).
@@ -49,6 +59,8 @@ import numpy as np
 from flax import nnx, struct
 
 from qjax.model.cache import Cache, gather_rows, scatter_rows
+from qjax.multimodal.positions import PromptError
+from qjax.multimodal.prompt import check_vision, prepare_images
 from qjax.runtime.sampling import SamplingArrays, sample, split_keys, token_logprobs
 from qjax.runtime.speculative import SpeculativeStats, accept, propose
 
@@ -137,6 +149,29 @@ class SamplingParams:
                 bad(field, f"must be between 0 and {max_logprobs}, got {v}")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageInput:
+    """A request's images, ready for prefill (:func:`encode_images`): ``position_ids`` int32 ``[3, T]``, the M-RoPE
+    rows of its expanded prompt of ``T`` tokens; ``embeds`` ``[N, H]`` (host array, the model's dtype), the vision
+    tower's features of the prompt's ``N`` image tokens in order."""
+
+    position_ids: np.ndarray
+    embeds: np.ndarray
+
+
+def encode_images(model, prompt_ids: Sequence[int], images: Sequence) -> tuple[list[int], ImageInput]:
+    """``prompt_ids`` with one image placeholder per image (as the chat template writes ``<|image_pad|>``) and the
+    images (anything :func:`qjax.multimodal.images.load_image` takes: PIL images, bytes, paths, uint8 arrays) → the
+    expanded prompt and its :class:`ImageInput`, exactly as ``qjax.generate(images=…)`` prepares them
+    (:func:`qjax.multimodal.prompt.prepare_images`; the vision tower runs here, on the calling thread). Raises
+    PromptError or ImageError (one line) for placeholders and images that disagree, an unreadable image, or a model
+    without its vision tower."""
+    p = prepare_images(model, np.asarray([list(prompt_ids)], np.int64), None, list(images))
+    return ([int(t) for t in p.input_ids[0]],
+            ImageInput(position_ids=np.ascontiguousarray(p.position_ids[:, 0], np.int32),
+                       embeds=np.asarray(p.image_embeds)))
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
     """A token's log-probability under the model (raw logits) and the top alternatives at its position."""
@@ -208,13 +243,16 @@ class _Programs:
             return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
         def prefill(leaves, pool: Pool, rows, ids, n, reset, final, key_data, sampling: SamplingArrays, targets,
-                    *, kv_len: int, top_k: int | None, prompt_top_k: int | None):
+                    position_ids=None, image_embeds=None, *, kv_len: int, top_k: int | None,
+                    prompt_top_k: int | None):
             model = merged(leaves)
             new_rows = jnp.where(reset, rows, pool.cache.batch_size)
             cache = pool.cache.reset_rows(new_rows)
             mask = jnp.arange(ids.shape[1])[None, :] < n[:, None]
             start = gather_rows(cache.positions, rows)  # [P] the chunk's first position
-            out = model.forward(ids, attention_mask=mask, cache=cache, cache_rows=rows, kv_len=kv_len, last_only=True)
+            # an image call (the second variant): M-RoPE rows and the features of the call's image tokens
+            out = model.forward(ids, attention_mask=mask, cache=cache, cache_rows=rows, kv_len=kv_len, last_only=True,
+                                position_ids=position_ids, image_embeds=image_embeds)
             last = jnp.take_along_axis(out.hidden, jnp.maximum(n - 1, 0)[:, None, None], axis=1)  # [P, 1, H]
             logits = model.logits_from_hidden(last)[:, 0]
             keys = jnp.where(reset[:, None], key_data, gather_rows(pool.keys, rows))
@@ -330,9 +368,11 @@ class _Programs:
         self._verify = jax.jit(verify, donate_argnums=(1,), static_argnames=("rows", "kv_len", "top_k"))
         self._swap = jax.jit(swap, donate_argnums=(0,))
 
-    def prefill(self, pool, *args, kv_len, top_k, prompt_top_k):
-        self._note(("prefill", args[1].shape, kv_len, top_k, prompt_top_k))
-        return self._prefill(self.leaves, pool, *args, kv_len=kv_len, top_k=top_k, prompt_top_k=prompt_top_k)
+    def prefill(self, pool, *args, kv_len, top_k, prompt_top_k, position_ids=None, image_embeds=None):
+        kind = "prefill" if image_embeds is None else "prefill_images"
+        self._note((kind, args[1].shape, kv_len, top_k, prompt_top_k))
+        return self._prefill(self.leaves, pool, *args, position_ids, image_embeds, kv_len=kv_len, top_k=top_k,
+                             prompt_top_k=prompt_top_k)
 
     def decode(self, pool, active, steps, *, rows, kv_len, max_steps, top_k):
         self._note(("decode", rows, kv_len, max_steps, top_k))
@@ -399,6 +439,8 @@ class _Seq:
     prompt_logprobs: list | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    images: ImageInput | None = None
+    image_before: np.ndarray | None = None  # [T + 1]: image tokens in prompt[:i] (a chunk's first feature row)
 
 
 def bucket(n: int, lo: int, hi: int, factor: int = 2) -> int:
@@ -459,6 +501,9 @@ class Engine:
         self._lock = threading.Lock()  # guards step() against a concurrent caller
         self.steps = 0
         self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
+        vision = getattr(model, "vision_config", None)
+        self._image_token = None if vision is None else int(vision.image_token_id)
+        self._placeholder_row: np.ndarray | None = None  # the image token's own embedding (see _image_arrays)
 
     # -- memory ---------------------------------------------------------------------------------------------------
     def _new_pool(self) -> Pool:
@@ -524,20 +569,25 @@ class Engine:
 
     # -- requests (any thread) ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                    callback: Callable[[RequestOutput], None]) -> None:
-        """Queue a request; ``callback`` receives its outputs on the engine's thread. Raises :class:`EngineError`
-        for a request that cannot be served (the message names the field and the numbers)."""
+                    callback: Callable[[RequestOutput], None], images: ImageInput | None = None) -> None:
+        """Queue a request; ``callback`` receives its outputs on the engine's thread. ``images``: the
+        :class:`ImageInput` of an image prompt (``prompt_ids`` then is the expanded prompt :func:`encode_images`
+        returned). Raises :class:`EngineError` for a request that cannot be served (the message names the field and
+        the numbers)."""
         prompt = [int(t) for t in prompt_ids]
-        self.validate(prompt, params)
+        self.validate(prompt, params, images)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
         key_data = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
         seq = _Seq(request_id=request_id, prompt=prompt, params=params, callback=callback,
                    stop_ids=frozenset(int(t) for t in stop), key_data=key_data, arrival=time.monotonic())
+        if images is not None:
+            seq.images = images
+            seq.image_before = np.concatenate([[0], np.cumsum(np.asarray(prompt) == self._image_token)])
         self._inbox.put(("add", seq))
         self._wake.set()
 
-    def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
+    def validate(self, prompt: Sequence[int], params: SamplingParams, images: ImageInput | None = None) -> None:
         params.check(self.config.max_logprobs)
         if not prompt:
             raise EngineError("prompt: empty (at least one token is needed)")
@@ -547,6 +597,29 @@ class Engine:
         if len(prompt) + params.max_tokens > self.config.max_model_len:
             raise EngineError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
                               f"{len(prompt) + params.max_tokens} exceeds max_model_len {self.config.max_model_len}")
+        if images is not None:
+            self._validate_images(prompt, images)
+
+    def _validate_images(self, prompt: Sequence[int], images: ImageInput) -> None:
+        if self.k:
+            # the MTP head would need the prompt's M-RoPE rows in its own cache (qjax.generate refuses it too)
+            raise EngineError("images: image input with MTP speculative decoding is not supported (serve without "
+                              "--speculative-config to take images)")
+        try:
+            check_vision(self.model)
+        except PromptError as e:
+            raise EngineError(f"images: {e}") from None
+        n = sum(1 for t in prompt if t == self._image_token)
+        pos, emb = np.asarray(images.position_ids), np.asarray(images.embeds)
+        if pos.shape != (3, len(prompt)) or not np.issubdtype(pos.dtype, np.integer):
+            raise EngineError(f"images: position_ids must be integers [3, {len(prompt)}] (the prompt's M-RoPE rows), "
+                              f"got {pos.dtype} {list(pos.shape)}")
+        hidden = self.model.config.hidden_size
+        if emb.shape != (n, hidden):
+            raise EngineError(f"images: embeds must be [{n}, {hidden}] (one feature row per image token of the "
+                              f"prompt), got {list(emb.shape)}")
+        if n == 0:
+            raise EngineError("images: the prompt has no image tokens (encode_images expands its placeholders)")
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone): its slot is free at the next step; its callback gets ``abort``."""
@@ -621,10 +694,10 @@ class Engine:
             self.metrics.queue(self.num_running, self.num_waiting)
             self.steps += 1
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 images: Sequence[ImageInput | None] | None = None) -> list[RequestOutput]:
         """Run ``prompts`` to completion on this thread (the engine must not be :meth:`start` ed) and return one
-        merged :class:`RequestOutput` per prompt."""
+        merged :class:`RequestOutput` per prompt. ``images``: per prompt, its :class:`ImageInput` or None."""
         if self._thread is not None:
             raise EngineError("generate() runs the engine on the calling thread; this engine has a loop thread")
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -641,8 +714,11 @@ class Engine:
             acc.finished, acc.finish_reason, acc.stop_reason = out.finished, out.finish_reason, out.stop_reason
 
         ids = [f"generate-{secrets.token_hex(6)}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params):
-            self.add_request(rid, prompt, p, collect)
+        images = [None] * len(prompts) if images is None else list(images)
+        if len(images) != len(prompts):
+            raise EngineError(f"images: {len(images)} entries for {len(prompts)} prompts")
+        for rid, prompt, p, im in zip(ids, prompts, params, images):
+            self.add_request(rid, prompt, p, collect, images=im)
         while self.has_work():
             self.step()
         return [results[rid] for rid in ids]
@@ -745,10 +821,14 @@ class Engine:
             if sp.logprobs is not None:
                 want_top = self.config.max_logprobs
         sampling = SamplingArrays.make(do_sample, temperature, top_k, top_p)
+        extra = {}
+        if any(seq.images is not None for seq, _ in chunks):
+            position_ids, image_embeds = self._image_arrays(chunks, ids.shape)
+            extra = dict(position_ids=jnp.asarray(position_ids), image_embeds=jnp.asarray(image_embeds))
         self.pool, tok, lp, prompt = self._programs.prefill(
             self.pool, jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(n_arr), jnp.asarray(reset),
             jnp.asarray(final), jnp.asarray(key_data), sampling, jnp.asarray(targets), kv_len=self._kv_bucket(end),
-            top_k=want_top, prompt_top_k=want_prompt)
+            top_k=want_top, prompt_top_k=want_prompt, **extra)
         tok, lp = np.asarray(tok), jax.tree.map(np.asarray, lp)
         prompt = None if prompt is None else jax.tree.map(np.asarray, prompt)
         now = time.monotonic()
@@ -771,6 +851,36 @@ class Engine:
                     continue
                 self._accept(seq, [int(tok[i])], [_logprob(tok[i], lp[0][i], lp[1][i], lp[2][i], seq.params.logprobs)])
         return True
+
+    def _image_arrays(self, chunks: list[tuple[_Seq, int]], shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """The image variant's extra inputs for a prefill call of ``shape`` ``(P, T)``: ``position_ids [3, P, T]``
+        (an image request's rows sliced from its prompt's M-RoPE rows, a text request's ``cursor + arange``, 0 at
+        padding) and ``image_embeds [P·T, H]``: the features of the call's image tokens in row-major order of the
+        ids — each chunk's from the count of image tokens its earlier chunks consumed — then zero rows (one shape
+        per prefill bucket, so one more compiled program per bucket at most). A text request's own image-token ids
+        (a raw prompt may hold them) get that token's embedding, what the text program gives them."""
+        p, t = shape
+        position_ids = np.zeros((3, p, t), np.int32)
+        parts = []
+        for i, (seq, n) in enumerate(chunks):
+            c = seq.cursor
+            if seq.images is not None:
+                position_ids[:, i, :n] = seq.images.position_ids[:, c:c + n]
+                parts.append(seq.images.embeds[int(seq.image_before[c]):int(seq.image_before[c + n])])
+                continue
+            position_ids[:, i, :n] = c + np.arange(n, dtype=np.int32)
+            k = self._image_token is not None and sum(1 for x in seq.prompt[c:c + n] if x == self._image_token)
+            if k:
+                if self._placeholder_row is None:
+                    row = self.model.embed(jnp.asarray([[self._image_token]], jnp.int32))
+                    self._placeholder_row = np.asarray(row)[0]
+                parts.append(np.repeat(self._placeholder_row, k, axis=0))
+        dtype = next(x.dtype for x in parts)
+        image_embeds = np.zeros((p * t, self.model.config.hidden_size), dtype)
+        used = sum(len(x) for x in parts)
+        if used:
+            image_embeds[:used] = np.concatenate(parts)
+        return position_ids, image_embeds
 
     def _pack(self) -> None:
         """Keep the decoding sequences in slots ``0 … n-1`` (the decode program reads a prefix of the pool's rows

@@ -127,6 +127,85 @@ class ChatCompletionRequest(_Request):
 
 
 @dataclasses.dataclass(frozen=True)
+class ImagePart:
+    """An image a chat request sends: ``where`` names its request part (``messages[0].content[1].image_url``),
+    ``url`` is its ``data:`` URI or ``file://`` path (or anything else, refused when it is decoded)."""
+
+    where: str
+    url: str
+
+
+# OpenAI / vLLM content part types (a part without "type" is typed by its key, as vLLM and the templates do)
+TEXT_PARTS = ("text", "input_text")
+IMAGE_PARTS = ("image_url", "input_image", "image")
+VIDEO_PARTS = ("video_url", "input_video", "video")
+AUDIO_PARTS = ("audio_url", "input_audio", "audio")
+
+
+def _part_type(part: dict) -> Any:
+    kind = part.get("type")
+    if kind is None:
+        kind = next((k for k in ("text", *IMAGE_PARTS, *VIDEO_PARTS, *AUDIO_PARTS) if k in part), None)
+    return kind
+
+
+def chat_messages(req: ChatCompletionRequest) -> tuple[list[dict], list[ImagePart]]:
+    """The request's messages as the chat template takes them, and its images in prompt order.
+
+    Text parts become ``{"type": "text", "text": …}``; each image part (``image_url`` with ``{"url": …}`` or a
+    string, ``input_image``, ``image``) becomes ``{"type": "image"}``, which the Qwen templates render as
+    ``<|vision_start|><|image_pad|><|vision_end|>``. Video and audio parts, and part types qjax does not know, are
+    an :class:`ApiError` naming the part."""
+    messages: list[dict] = []
+    images: list[ImagePart] = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                at = f"messages[{i}].content[{j}]"
+                kind = _part_type(part)
+                if kind in TEXT_PARTS:
+                    if not isinstance(part.get("text"), str):
+                        raise ApiError(400, f"{at}.text: a string is required", param="messages")
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind in IMAGE_PARTS:
+                    images.append(_image_part(part, at))
+                    parts.append({"type": "image"})
+                elif kind in VIDEO_PARTS:
+                    raise ApiError(400, f"{at}: video input is not supported (qjax serves text and image input)",
+                                   param="messages")
+                elif kind in AUDIO_PARTS:
+                    raise ApiError(400, f"{at}: audio input is not supported (qjax serves text and image input)",
+                                   param="messages")
+                else:
+                    raise ApiError(400, f"{at}: content part type {kind!r} is not supported (text, image_url)",
+                                   param="messages")
+            content = parts
+        messages.append({**m.model_dump(exclude_none=True), "content": content if content is not None else ""})
+    return messages, images
+
+
+def _image_part(part: dict, at: str) -> ImagePart:
+    """The URL of one image part: ``{"image_url": {"url": …}}`` or ``{"image_url": "…"}`` (``image_url``,
+    ``input_image``), ``{"image": "…"}`` or ``{"url": "…"}`` (``image``)."""
+    for key in ("image_url", "image", "url"):
+        if key in part:
+            value = part[key]
+            where = f"{at}.{key}"
+            break
+    else:
+        raise ApiError(400, f"{at}: an image part needs image_url.url (a data: URI or a file:// path)",
+                       param="messages")
+    if isinstance(value, dict):
+        value = value.get("url")
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"{where}: the image URL must be a non-empty string (a data: URI or a file:// path)",
+                       param="messages")
+    return ImagePart(where, value)
+
+
+@dataclasses.dataclass(frozen=True)
 class Defaults:
     """Server-side sampling defaults for fields a request leaves out (vLLM: the model's generation_config)."""
 
