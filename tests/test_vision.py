@@ -35,7 +35,7 @@ import qjax
 from qjax.evaluation.torch_reference import float64_everywhere
 from qjax.model.config import VisionConfig
 from qjax.model.vision import Qwen3_5MoeVisionModel as JaxVision
-from qjax.model.vision import _jit_vision, patch_bucket, vision_layout
+from qjax.model.vision import _jit_vision, patch_bucket, segment_attention, vision_layout
 from qjax.multimodal.positions import PromptError
 from qjax.multimodal.prompt import prepare_images
 
@@ -149,11 +149,27 @@ def test_layout_is_transformers_vision_utils():
     assert np.array_equal(np.unique(lay.segment[:n]), np.arange(5)) and np.all(lay.segment[n:] == -1)
 
 
+def test_blocked_attention_equals_whole_attention():
+    """Past 2048 patches queries run in blocks; each image's softmax still sees exactly its own patches."""
+    n = patch_bucket(2100)  # 2304 = 9 blocks of 256
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(n, 2, 8)).astype(np.float32) for _ in range(3))
+    segment = np.repeat(np.arange(4, dtype=np.int32), [700, 900, 500, 0]).tolist() + [-1] * (n - 2100)
+    segment = np.asarray(segment, np.int32)
+    got = np.asarray(segment_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(segment)))
+    s = np.einsum("qhd,khd->hqk", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(8)
+    s = np.where(segment[:, None] == segment[None, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    assert np.abs(got - want).max() < 1e-5
+
+
 def test_patch_buckets_bound_padding_and_compiles():
-    for n in [1, 63, 64, 65, 100, 513, 1000, 4097, 65536, 70000]:
+    for n in [1, 63, 64, 65, 100, 513, 784, 1000, 4097, 65536, 70000]:
         b = patch_bucket(n)
-        assert b >= n and b % 4 == 0 and (b <= 512 or b % 512 == 0)
-        assert b <= max(64, n * 1.125) or b - n < 512 * 4  # ≤ 12.5 % padding (or the block alignment)
+        assert b >= n and b % 4 == 0 and b <= max(64, n * 1.125)  # ≤ 12.5 % padding
+        assert b <= 2048 or b % 256 == 0  # past the whole-attention size, 256- to 512-query blocks divide it
+    assert patch_bucket(784) == 832  # a 448×448 image
     # every image mix that falls in one bucket runs one compiled program
     vc = VisionConfig(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, patch_size=2,
                       num_position_embeddings=16, out_hidden_size=8)

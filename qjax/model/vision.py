@@ -26,7 +26,8 @@ from qjax.model.config import VisionConfig
 from qjax.model.layers import init_normal
 
 # Above this many patches attention runs query block by query block (scores [heads, block, N] instead of
-# [heads, N, N]: 1 GiB of float32 scores for one 1024×1024 image at the 35B's 16 heads).
+# [heads, N, N]: 1 GiB of float32 scores for one 1024×1024 image at the 35B's 16 heads); blocks of up to 512 queries.
+ATTENTION_WHOLE = 2048
 ATTENTION_BLOCK = 512
 
 
@@ -55,14 +56,24 @@ class VisionLayout:
 
 def patch_bucket(n: int, merge_unit: int = 4) -> int:
     """The padded patch count a call of ``n`` patches compiles for: the smallest ``m·2^e ≥ n`` with m in 8..15
-    (at most 12.5 % padding; eight compiled programs per doubling of the image area), at least 64, and a multiple of
-    the merge unit and of :data:`ATTENTION_BLOCK` once past it."""
+    (at most 12.5 % padding; eight compiled programs per doubling of the image area), at least 64, rounded up to a
+    multiple of the merge unit (a no-op for the 2×2 merge)."""
     n = max(int(n), 64)
     e = max(n.bit_length() - 4, 0)
-    m = -(-n // (1 << e))
-    size = m << e
-    step = merge_unit * (ATTENTION_BLOCK if size > ATTENTION_BLOCK else 1)
-    return -(-size // step) * step
+    size = -(-n // (1 << e)) << e
+    return -(-size // merge_unit) * merge_unit
+
+
+def _query_block(n: int) -> int:
+    """Queries per attention block for ``n`` patches: all of them up to :data:`ATTENTION_WHOLE`, else the largest
+    power of two ≤ :data:`ATTENTION_BLOCK` that divides n (a :func:`patch_bucket` size past 2048 is a multiple of
+    256)."""
+    if n <= ATTENTION_WHOLE:
+        return n
+    block = ATTENTION_BLOCK
+    while n % block:
+        block //= 2
+    return block if block >= 64 else n
 
 
 def _axis_taps(index: np.ndarray, size: np.ndarray, side: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
@@ -225,10 +236,10 @@ def segment_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, segment: j
         return jnp.einsum("hqk,khd->qhd", p, v, preferred_element_type=acc,
                           precision=jax.lax.Precision.HIGHEST).astype(q.dtype)
 
-    if n <= ATTENTION_BLOCK:
+    size = _query_block(n)
+    if size == n:
         return block(q, segment)
-    out = jax.lax.map(lambda a: block(*a), (q.reshape(n // ATTENTION_BLOCK, ATTENTION_BLOCK, heads, hd),
-                                            segment.reshape(n // ATTENTION_BLOCK, ATTENTION_BLOCK)))
+    out = jax.lax.map(lambda a: block(*a), (q.reshape(n // size, size, heads, hd), segment.reshape(n // size, size)))
     return out.reshape(n, heads, hd)
 
 
