@@ -34,7 +34,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps
+try:
+    from PIL import Image, ImageOps
+except ImportError:  # sizes and the config work without Pillow: a machine without it still loads models
+    Image = ImageOps = None
 
 from qjax.validation import Fields, confined, read_json, show
 
@@ -370,6 +373,11 @@ def _regular_file(path: str, where: str, max_bytes: int | None) -> None:
         raise ImageError(f"{where}: {path} is {st.st_size} bytes, over the limit of {max_bytes}")
 
 
+def _need_pillow(where: str) -> None:
+    if Image is None:
+        raise ImageError(f"{where}: image input needs Pillow (pip install 'pillow>=10'), which is not installed")
+
+
 def load_image(source: Any, *, where: str, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
     """A decoded ``PIL.Image.Image`` from ``source``:
 
@@ -380,6 +388,7 @@ def load_image(source: Any, *, where: str, max_image_pixels: int = DEFAULT_MAX_I
 
     The mode is kept (an alpha band is composited onto white by :func:`preprocess`, as transformers does). Any
     failure, and an image over ``max_image_pixels`` pixels, is an :class:`ImageError` starting with ``where``."""
+    _need_pillow(where)
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _decode(io.BytesIO(bytes(source)), where, "", max_image_pixels)
     if isinstance(source, (str, os.PathLike)):
@@ -417,6 +426,7 @@ def decode_image_url(url: str, *, where: str, allow_files: bool = True, max_byte
     ``file:///absolute/path`` (unless ``allow_files`` is false). ``http(s)://`` is refused — qjax does not fetch
     remote images. ``max_bytes`` bounds the base64 text or the file's size, checked before decoding. Every failure
     is an :class:`ImageError` starting with ``where``."""
+    _need_pillow(where)
     if not isinstance(url, str):
         raise ImageError(f"{where}: image url must be a string, got {type(url).__name__}")
     head = url[:16].lower()
@@ -534,6 +544,7 @@ _CHANNELS = np.arange(3)
 def preprocess(images: Sequence[Image.Image], cfg: ImageProcessorConfig) -> ProcessedImages:
     """``pixel_values`` and ``image_grid_thw`` for ``images`` (PIL images, e.g. from :func:`load_image`), equal to
     transformers' ``Qwen2VLImageProcessorPil`` with the same settings (see the module docstring for the steps)."""
+    _need_pillow("images")
     if isinstance(images, Image.Image):
         images = [images]
     p, m, T = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
