@@ -25,6 +25,7 @@ from oracles.hf import (
     VL_SPECIALS,
     hf_vl_inputs,
     hf_vl_model,
+    qjax_tower_from_torch,
     random_image,
     tiny_vision_config,
     write_vl_checkpoint,
@@ -74,23 +75,6 @@ def _torch_tower(hc: Qwen3_5MoeVisionConfig, seed: int) -> Qwen3_5MoeVisionModel
     return tower
 
 
-def _jax_tower(tower: Qwen3_5MoeVisionModel, dtype) -> JaxVision:
-    vc = VisionConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": {},
-                                 "vision_config": tower.config.to_dict()})
-    model = JaxVision(vc, dtype=dtype)
-    sd = {k: v.double().numpy() for k, v in tower.state_dict().items()}
-    graphdef, state = nnx.split(model)
-    flat = nnx.to_flat_state(state)
-    for path, var in flat:
-        path = tuple(map(str, path))
-        if path[0] == "blocks":
-            value = np.stack([sd[f"blocks.{i}." + ".".join(path[1:])] for i in range(vc.depth)])
-        else:
-            value = sd[".".join(path)]
-        var.set_value(jnp.asarray(value, dtype))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
 def _pixels(grids: np.ndarray, patch_dim: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(int(grids.prod(1).sum()), patch_dim)).astype(np.float32)
 
@@ -98,7 +82,7 @@ def _pixels(grids: np.ndarray, patch_dim: int, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("make", [tiny_vision_config, odd_vision_config], ids=["tiny", "odd"])
 def test_tower_equals_transformers_with_several_images(make):
     tower = _torch_tower(make(out_hidden_size=48) if make is tiny_vision_config else make(), seed=3)
-    ours = _jax_tower(tower, jnp.float32)
+    ours = qjax_tower_from_torch(tower, jnp.float32)
     px = _pixels(GRIDS, ours.config.patch_dim)
     with torch.no_grad():
         want = tower(torch.from_numpy(px), grid_thw=torch.from_numpy(GRIDS)).pooler_output.numpy()
@@ -117,7 +101,7 @@ def test_tower_equals_transformers_with_several_images(make):
 def test_tower_float64_equals_transformers_float64(x64):
     jax.config.update("jax_enable_x64", True)  # (the x64 fixture restores it)
     tower = _torch_tower(odd_vision_config(), seed=5)
-    ours = _jax_tower(tower, jnp.float64)
+    ours = qjax_tower_from_torch(tower, jnp.float64)
     px = _pixels(GRIDS, ours.config.patch_dim).astype(np.float64)
     with float64_everywhere(strict=False):
         truth = _torch_tower(odd_vision_config(), seed=5).double()

@@ -7,15 +7,20 @@
 #                                   at concurrency 1, 8, 32 vs sequential qjax.generate, one table, < 8 min (issue 17)
 #   benchmarks/gpu/run.sh spec      MTP speculation at full size (random weights, w2w4, bf16): one verify call of
 #                                   k + 1 = 2 … 5 tokens vs one decode step, batch 1, 512-token cache, < 5 min (issue 22)
-#   benchmarks/gpu/run.sh           all four (only when the session has the device time for them)
-# Results land in $OUT (kernels.txt, e2e.md, e2e.json); copy the tables into benchmarks/RESULTS.md.
+#   benchmarks/gpu/run.sh vision    the full-size vision tower (random weights, bf16): one 448² image, one 1024² image
+#                                   and a batch of four 448² images, median time and compile time, < 5 min (issue 23)
+#   benchmarks/gpu/run.sh           all five (only when the session has the device time for them)
+# Results land in $OUT (kernels.txt, e2e.md, e2e.json, vision.md); copy the tables into benchmarks/RESULTS.md.
 # The GPU image cannot install packages, so qjax is made importable from the working tree through a symlinked
 # package folder (kernels/ -> qjax.kernels, convert/ -> qjax.convert), exactly as pyproject maps them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 PHASE=${1:-all}
-case "$PHASE" in kernels|e2e|serve|spec|all) ;; *) echo "usage: $0 [kernels|e2e|serve|spec|all]" >&2; exit 2;; esac
+case "$PHASE" in
+  kernels|e2e|serve|spec|vision|all) ;;
+  *) echo "usage: $0 [kernels|e2e|serve|spec|vision|all]" >&2; exit 2;;
+esac
 PKG=$(mktemp -d)
 mkdir -p "$PKG/qjax"
 for f in "$ROOT"/qjax/*; do ln -s "$f" "$PKG/qjax/$(basename "$f")"; done
@@ -48,4 +53,8 @@ fi
 if [[ $PHASE == spec || $PHASE == all ]]; then
   timeout 300 python3 benchmarks/speculative.py --cost-only --full --recipe w2w4 --dtype bfloat16 --no-write \
     --repeats 5 2>&1 | tee "$OUT/spec.txt"
+fi
+if [[ $PHASE == vision || $PHASE == all ]]; then
+  # qjax only (the image has no torch/transformers, maybe no Pillow: pixel values come from numpy); writes vision.md
+  timeout 300 python3 benchmarks/vision.py --gpu --repeats ${VISION_REPEATS:-10} --out "$OUT" 2>&1
 fi

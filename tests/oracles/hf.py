@@ -552,3 +552,29 @@ def hf_vl_inputs(folder: str | Path, images, input_ids: np.ndarray) -> dict[str,
     return {"input_ids": ids, "pixel_values": processed["pixel_values"],
             "image_grid_thw": processed["image_grid_thw"],
             "mm_token_type_ids": (ids == cfg["image_token_id"]).int()}
+
+
+def qjax_tower_from_torch(tower: torch.nn.Module, dtype) -> Any:
+    """qjax's vision tower (`qjax.model.vision`) holding transformers' `tower`'s weights (read in float64, cast to
+    `dtype`); its `[depth, …]` block stacks are transformers' `blocks.{i}.…` tensors stacked."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from qjax.model.config import VisionConfig
+    from qjax.model.vision import Qwen3_5MoeVisionModel as JaxVision
+
+    vc = VisionConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": {},
+                                 "vision_config": tower.config.to_dict()})
+    model = JaxVision(vc, dtype=dtype)
+    sd = {k: v.detach().double().numpy() for k, v in tower.state_dict().items()}
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    for path, var in flat:
+        path = tuple(map(str, path))
+        if path[0] == "blocks":
+            value = np.stack([sd[f"blocks.{i}." + ".".join(path[1:])] for i in range(vc.depth)])
+        else:
+            value = sd[".".join(path)]
+        assert tuple(value.shape) == tuple(var.get_value().shape), (path, value.shape)
+        var.set_value(jnp.asarray(value, dtype))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
