@@ -35,7 +35,8 @@ ROOMS = {
     "init": {"xla_env", "multimodal"},  # qjax/__init__.py: its public names are imported on first use
 }
 # third-party packages that are optional (test extras or a command's own extra): imported where they are used
-OPTIONAL = {"torch", "transformers", "lm_eval", "compressed_tensors", "auto_round", "uvicorn"}
+OPTIONAL = {"torch", "transformers", "lm_eval", "compressed_tensors", "auto_round", "uvicorn",
+            "PIL"}  # Pillow: a dependency, imported in a try so that a machine without it still loads models
 
 
 def _modules() -> dict[str, str]:

@@ -17,7 +17,7 @@ from qjax.model.config import TextConfig
 from qjax.runtime import speculative
 from qjax.runtime.generate import process_logits
 from qjax.runtime.sampling import SamplingArrays
-from tests.oracles.hf import tiny_text_config
+from oracles.hf import tiny_text_config
 
 pytestmark = pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 
