@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
 import os
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,11 +26,16 @@ from qjax.quant.unquantized import kept_part
 from . import progress as prog
 from .data import calibration_ids, load_tokenizer, read_documents
 from .driver import AutoRound, AutoRoundConfig, report_json
-from .schemes import check_layer_config, layer_scheme, parse_layer_config, preset
+from .schemes import check_layer_config, ignore_layers_config, layer_scheme, parse_layer_config, preset
 
 logger = logging.getLogger("qjax.autoround")
 
 FORMATS = ("llm_compressor", "auto_round")
+# auto-round's --algorithm names (auto_round/algorithms/registry.py) → canonical; qjax runs auto_round and rtn
+ALGORITHM_ALIASES = {"auto_round": "auto_round", "autoround": "auto_round", "sign_round": "auto_round",
+                     "signround": "auto_round", "rtn": "rtn", "hadamard": "hadamard", "random_hadamard": "hadamard",
+                     "quarot_hadamard": "hadamard", "awq": "awq", "quarot": "quarot", "spinquant": "spinquant",
+                     "svdquant": "svdquant"}
 # the source's files an export copies as they are: the tokenizer, the chat template and the image/video processors'
 # settings (the vision tower is copied too, so image prompts keep working on the export)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
@@ -40,6 +47,30 @@ def progress_dir_for(output_dir: str) -> str:
     """Where a run keeps its resumable progress: beside the output folder, which is only written at the end."""
     out = os.path.abspath(output_dir)
     return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.qjax-progress")
+
+
+def parse_formats(fmt) -> list[str]:
+    """``--format`` text → format names, as auto-round splits it (lower-cased, spaces removed, split on ``,``)."""
+    names = fmt if isinstance(fmt, (list, tuple)) else str(fmt).lower().replace(" ", "").split(",")
+    out = []
+    for f in names:
+        if f not in FORMATS:
+            raise ValueError(f"--format {f!r} is not supported (choose from {', '.join(FORMATS)}, or several "
+                             "separated by ',')")
+        if f not in out:
+            out.append(f)
+    if not out:
+        raise ValueError("--format: no format given")
+    return out
+
+
+def format_dirs(output_dir: str, fmt) -> dict[str, str]:
+    """Where each format goes: ``output_dir`` itself for one format; for several, auto-round 0.16.1's
+    ``_get_save_folder_name``: ``output_dir/<format with '_' → '-'>`` (``auto-round``, ``llm-compressor``)."""
+    formats = parse_formats(fmt)
+    if len(formats) == 1:
+        return {formats[0]: output_dir}
+    return {f: os.path.join(output_dir, f.replace(":", "-").replace("_", "-")) for f in formats}
 
 
 def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, dataset: str, fmt: str = "llm_compressor",
@@ -56,7 +87,8 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
       cfg: the AutoRound options.
       dataset: local calibration file (.txt, .jsonl, .json; see :mod:`qjax.autoround.data`).
       fmt: ``llm_compressor`` (compressed-tensors pack-quantized, vLLM/transformers) or ``auto_round``
-        (GPTQ-style ``qweight``/``qzeros``/``scales``).
+        (GPTQ-style ``qweight``/``qzeros``/``scales``), or several separated by ``,``: one tuning run, each format
+        written to its own folder (:func:`format_dirs`).
       dtype: the dtype the blocks run in (default: the checkpoint's; auto-round runs in bf16).
       resume: continue a killed run from its last finished block (same options and data).
     Returns:
@@ -64,16 +96,16 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
     """
     # options are checked before anything is loaded or computed
     check_layer_config(cfg.base_scheme, cfg.layer_config)
-    if fmt not in FORMATS:
-        raise ValueError(f"--format {fmt!r} is not supported (choose from {', '.join(FORMATS)})")
+    dirs = format_dirs(output_dir, fmt)
+    fmt = ",".join(dirs)
     if os.path.exists(output_dir) and not overwrite:
         raise FileExistsError(f"--output_dir {output_dir} already exists (pass --overwrite to replace it)")
-    if fmt == "auto_round" and (cfg.data_type != "int" or _any_mx(cfg)):
+    if "auto_round" in dirs and (cfg.data_type != "int" or _any_mx(cfg)):
         raise ValueError("--format auto_round: qjax writes INT schemes in the auto_round (GPTQ) layout; use "
                          "--format llm_compressor for MXFP8")
     read_documents(dataset)  # a broken calibration file is reported now, not after loading the model
     if not resume:
-        preflight(output_dir, 2 * _output_bytes(model_dir, cfg))  # the output + the progress blocks, at the end
+        preflight(output_dir, (len(dirs) + 1) * _output_bytes(model_dir, cfg))  # the output + the progress blocks, at the end
     # text only: AutoRound tunes the decoder; the export copies the tower from the source as stored
     model = qjax.load_model(model_dir, dtype=jnp.dtype(dtype) if dtype else None, text_only=True)
     tokenizer = None
@@ -98,11 +130,14 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
         f.write(report_json(ar.reports))
     extra.append(report)
     # the source's MTP head and vision tower go into the export as stored (qjax.quant.unquantized)
-    if fmt == "llm_compressor":
-        save_pretrained(qmodel, output_dir, overwrite=overwrite, extra_files=extra, source=model_dir)
-    else:
-        save_autoround(qmodel, output_dir, overwrite=overwrite, extra_files=extra, tuning=_tuning_keys(cfg, ids),
-                       layer_config=cfg.layer_config or None, source=model_dir)
+    if len(dirs) > 1:
+        os.makedirs(output_dir, exist_ok=True)
+    for f, out in dirs.items():
+        if f == "llm_compressor":
+            save_pretrained(qmodel, out, overwrite=overwrite, extra_files=extra, source=model_dir)
+        else:
+            save_autoround(qmodel, out, overwrite=overwrite, extra_files=extra, tuning=_tuning_keys(cfg, ids),
+                           layer_config=cfg.layer_config or None, source=model_dir)
     prog.finish(pdir)
     return output_dir
 
@@ -113,6 +148,9 @@ def _output_bytes(model_dir: str, cfg: AutoRoundConfig) -> int:
     tower, copied as stored, included) as it is."""
 
     schemes = [cfg.base_scheme] + [layer_scheme(cfg.base_scheme, o) for o in cfg.layer_config.values()]
+    schemes = [s for s in schemes if s.quantized] or [cfg.base_scheme]  # a layer kept in bf16 is counted as stored
+    if not cfg.base_scheme.quantized:
+        schemes = [cfg.base_scheme]
     bits = max(8 if s.data_type == "mx_fp" else s.bits for s in schemes)
     group = min((s.group_size for s in schemes if s.group_size and s.group_size > 0), default=128)
     ckpt = Checkpoint(model_dir)
@@ -158,8 +196,10 @@ def config_from_args(a) -> AutoRoundConfig:
             fields[k] = getattr(a, k)
     if a.asym:
         fields["sym"] = False
+    layer_config = {**parse_layer_config(a.layer_config), **ignore_layers_config(a.ignore_layers)}
+    iters = 0 if algorithm_from_args(a) == "rtn" else a.iters
     return AutoRoundConfig(
-        **fields, layer_config=parse_layer_config(a.layer_config), iters=a.iters, nsamples=a.nsamples,
+        **fields, layer_config=layer_config, iters=iters, nsamples=a.nsamples,
         seqlen=a.seqlen, batch_size=a.batch_size, lr=a.lr, minmax_lr=a.minmax_lr,
         enable_minmax_tuning=not a.disable_minmax_tuning, enable_quanted_input=not a.disable_quanted_input,
         enable_alg_ext=a.enable_alg_ext, disable_opt_rtn=True if a.disable_opt_rtn else None,
@@ -167,27 +207,70 @@ def config_from_args(a) -> AutoRoundConfig:
         static_kv_granularity=a.static_kv_granularity, seed=a.seed)
 
 
+def algorithm_from_args(a) -> str:
+    """``--algorithm`` as auto-round 0.16.1 reads it (cli/algorithms.py ``build_configs``): comma-separated names,
+    lower-cased, aliases resolved, unknown names ignored; ``rtn`` among them, or ``--iters 0``, means RTN, otherwise
+    AutoRound. auto-round's other algorithms (awq, hadamard, …) are refused: qjax does not implement them."""
+    raw = getattr(a, "algorithm", None) or ""
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+    canonical = [ALGORITHM_ALIASES[n] for n in names if n in ALGORITHM_ALIASES]
+    for n in names:
+        if n not in ALGORITHM_ALIASES:
+            print(f"note: --algorithm {n!r} is not an auto-round algorithm; ignored (as auto-round does)",
+                  file=sys.stderr)
+    other = sorted({c for c in canonical if c not in ("rtn", "auto_round")})
+    if other:
+        raise ValueError(f"--algorithm {','.join(other)} is not supported by qjax (auto_round or rtn)")
+    if "rtn" in canonical and "auto_round" in canonical:
+        raise ValueError("--algorithm: choose one of rtn and auto_round")
+    return "rtn" if "rtn" in canonical or a.iters == 0 else "auto_round"
+
+
+# flags auto-round takes that change nothing in qjax: (flag dest, note when given)
+NO_EFFECT = {
+    "device_map": "--device_map has no effect in qjax (the run uses JAX's default device)",
+    "enable_torch_compile": "--enable_torch_compile/--disable_torch_compile have no effect in qjax (XLA compiles "
+                            "every step)",
+    "disable_low_cpu_mem_usage": "--disable_low_cpu_mem_usage has no effect in qjax (the checkpoint is read lazily "
+                                 "from its safetensors)",
+    "low_cpu_mem_usage": "--low_cpu_mem_usage has no effect in qjax (the checkpoint is read lazily from its "
+                         "safetensors)",
+}
+
+
 def add_arguments(p) -> None:
     """``qjax quantize`` flags, named as auto-round's CLI names them."""
-    p.add_argument("--model", default=None, help="BF16/FP32 checkpoint folder (default: the built-in model)")
+    p.add_argument("model_pos", nargs="?", default=None, metavar="model",
+                   help="checkpoint folder, as auto-round's positional model (same as --model)")
+    p.add_argument("--model", "--model_name", "--model_name_or_path", dest="model", default=None,
+                   help="BF16/FP32 checkpoint folder (default: the built-in model)")
     p.add_argument("--dataset", default=None,
                    help="local calibration file: .txt (blank-line separated documents), .jsonl ('text' or "
                         "'input_ids' per line) or .json list (default: the built-in model's calib.txt)")
-    p.add_argument("--output_dir", required=True)
-    p.add_argument("--format", default="llm_compressor", choices=FORMATS)
+    p.add_argument("--output_dir", required=True, help="the quantized checkpoint folder")
+    p.add_argument("--format", "--formats", default="llm_compressor",
+                   help="llm_compressor, auto_round, or several separated by ',' (one tuning run; as auto-round, "
+                        "several formats go to OUTPUT_DIR/llm-compressor and OUTPUT_DIR/auto-round)")
+    p.add_argument("--algorithm", "--algorithms", "--alg", "--algs", default=None,
+                   help="auto_round (SignRound tuning) or rtn (round to nearest: same as --iters 0); by default "
+                        "auto_round, or rtn with --iters 0")
+    p.add_argument("--ignore_layers", "--fp_layers", default="",
+                   help="comma-separated layer names kept in the model dtype, matched as auto-round does (a name "
+                        "catches every layer it is a substring of or whose name its regex form matches; "
+                        "'layers.1' becomes 'layers.1.')")
     p.add_argument("--scheme", default=None, help="preset: W4A16, W2A16, W2A16G64, W2A16G32, W8A16, MXFP8")
-    p.add_argument("--bits", type=int, default=None)
-    p.add_argument("--group_size", type=int, default=None)
+    p.add_argument("--bits", type=int, default=None, help="weight bits (default: 4, or the --scheme's)")
+    p.add_argument("--group_size", type=int, default=None, help="default: 128, or the --scheme's; -1 = per channel")
     p.add_argument("--asym", action="store_true", help="asymmetric INT (default symmetric, full range)")
-    p.add_argument("--data_type", default=None, choices=["int", "mx_fp"])
+    p.add_argument("--data_type", default=None, choices=["int", "mx_fp"], help="default: int, or the --scheme's")
     p.add_argument("--layer_config", default=None,
                    help="per-layer overrides, e.g. '{\".*experts.*\": {\"bits\": 2, \"group_size\": 64}}'")
     p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--nsamples", type=int, default=128)
-    p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--minmax_lr", type=float, default=None)
+    p.add_argument("--nsamples", "--nsample", type=int, default=128)
+    p.add_argument("--seqlen", "--seq_len", type=int, default=2048)
+    p.add_argument("--batch_size", "--train_bs", "--bs", type=int, default=8)
+    p.add_argument("--lr", type=float, default=None, help="default: 1/iters (auto-round's)")
+    p.add_argument("--minmax_lr", type=float, default=None, help="default: --lr")
     p.add_argument("--disable_minmax_tuning", action="store_true")
     p.add_argument("--disable_quanted_input", action="store_true")
     p.add_argument("--enable_alg_ext", action="store_true")
@@ -202,9 +285,41 @@ def add_arguments(p) -> None:
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last finished block")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    g = p.add_argument_group("auto-round flags accepted with no effect in qjax (a note on stderr each)")
+    g.add_argument("--device_map", "--device", "--devices", default=None)
+    tc = g.add_mutually_exclusive_group()
+    tc.add_argument("--enable_torch_compile", dest="enable_torch_compile", action="store_true", default=None)
+    tc.add_argument("--disable_torch_compile", dest="enable_torch_compile", action="store_false", default=None)
+    g.add_argument("--disable_low_cpu_mem_usage", action="store_true")
+    g.add_argument("--low_cpu_mem_usage", action="store_true")
+    for act in p._actions:  # --help shows every default
+        if act.help == argparse.SUPPRESS or act.dest in ("help", "model_pos") or act.default in (None, False, "") \
+                or "default" in (act.help or ""):
+            continue
+        act.help = (act.help + " " if act.help else "") + "(default: %(default)s)"
+
+    parse_known = p.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        # a misspelled flag is reported with this subcommand's usage, not the top-level one
+        ns, extras = parse_known(args, namespace)
+        if extras:
+            p.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+    p.parse_known_args = parse_known_args
 
 
 def cli(a) -> int:
+    if a.model_pos is not None:
+        if a.model is not None and a.model != a.model_pos:
+            raise ValueError(f"model given twice: {a.model_pos!r} and --model {a.model!r}")
+        a.model = a.model_pos
+    for dest, note in NO_EFFECT.items():
+        if getattr(a, dest, None) not in (None, False):
+            print(f"note: {note}", file=sys.stderr)
+        elif dest == "enable_torch_compile" and a.enable_torch_compile is False:
+            print(f"note: {note}", file=sys.stderr)
     cfg = config_from_args(a)
     model_dir = a.model or default_model_dir()
     dataset = a.dataset or os.path.join(model_dir, "calib.txt")
@@ -224,5 +339,6 @@ def cli(a) -> int:
 
     out = quantize_folder(model_dir, a.output_dir, cfg, dataset=dataset, fmt=a.format, dtype=a.dtype,
                           overwrite=a.overwrite, resume=a.resume, progress=not a.quiet, on_block=on_block)
-    print(f"wrote {out} ({a.format})")
+    for f, d in format_dirs(out, a.format).items():
+        print(f"wrote {d} ({f})")
     return 0

@@ -93,17 +93,11 @@ def check_kept_unquantized(base: Scheme, layer_config: dict[str, dict[str, Any]]
 
 
 def parse_layer_config(arg: str | dict | None) -> dict[str, dict[str, Any]]:
-    """``--layer_config`` text (strict JSON or auto-round's unquoted form ``{.*experts.*:{bits:2,group_size:64}}``)
-    → ``{pattern: {field: value}}``."""
+    """``--layer_config`` text (strict JSON or auto-round's unquoted form ``{.*experts.*:{bits:2,group_size:64}}``,
+    read as auto-round 0.16.1's ``parse_layer_config_arg`` reads it) → ``{pattern: {field: value}}``."""
     if arg is None or arg == "":
         return {}
-    if isinstance(arg, dict):
-        d = arg
-    else:
-        try:
-            d = json.loads(arg)
-        except json.JSONDecodeError:
-            d = _parse_loose(arg)
+    d = arg if isinstance(arg, dict) else parse_layer_config_text(arg)
     if not isinstance(d, dict):
         raise LayerConfigError(f"--layer_config must be a mapping of pattern -> options, got {arg!r}")
     out: dict[str, dict[str, Any]] = {}
@@ -123,6 +117,34 @@ def parse_layer_config(arg: str | dict | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+def ignore_layers_config(arg: str | None, module_names=None) -> dict[str, dict[str, Any]]:
+    """``--ignore_layers a,b,c`` (auto-round's ``--fp_layers``) → ``layer_config`` entries that keep those layers in
+    the model dtype, matched as auto-round 0.16.1 matches them (``resolve_layer_config`` + ``get_fp_layer_names``):
+    spaces are removed and the text split on ``,``; a name ending in a digit gets a trailing ``.`` when some module
+    sits under it (``layers.1`` must not catch ``layers.10``); then a name catches a layer it equals, or is a substring
+    of, or whose name its ``to_standard_regex`` form ``re.search``-es (a plain name: substring; so ``mlp.gate`` also
+    catches ``mlp.gate_proj``, as in auto-round). ``module_names`` (every module name) decides the digit rule; without
+    it a module is assumed under the name (qjax's linear layers' own names never end in a digit).
+    Each entry is ``{"bits": 16}``, put after ``--layer_config``'s so that it wins."""
+    if not arg:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name in arg.replace(" ", "").split(","):
+        if not name:
+            continue
+        if name[-1].isdigit() and (module_names is None or any(name + "." in n for n in module_names)):
+            name += "."
+        out[name] = {"bits": 16}
+    return out
+
+
+def ignored_layers(arg: str | None, layer_names, module_names=None) -> list[str]:
+    """The layers of ``layer_names`` that ``--ignore_layers`` keeps unquantized (the rule of
+    :func:`ignore_layers_config`, as :func:`resolve` applies it)."""
+    pats = [(p, re.compile(standard_regex(p))) for p in ignore_layers_config(arg, module_names)]
+    return [n for n in layer_names if any(n == p or p in n or rx.search(n) for p, rx in pats)]
+
+
 def preset(name: str, where: str) -> dict[str, Any]:
     presets = {"W2A16": dict(bits=2, group_size=128, sym=True), "W2A16G64": dict(bits=2, group_size=64, sym=True),
                "W2A16G32": dict(bits=2, group_size=32, sym=True), "W4A16": dict(bits=4, group_size=128, sym=True),
@@ -133,41 +155,105 @@ def preset(name: str, where: str) -> dict[str, Any]:
     return dict(presets[str(name).upper()])
 
 
-def _parse_loose(text: str) -> dict:
-    """auto-round's tolerant form: unquoted keys and values split on ``{ } : ,``."""
-    tokens = [t for t in re.split(r"([{}:,])", text) if t.strip()]
+def parse_layer_config_text(s: str) -> dict:
+    """auto-round 0.16.1's ``parse_layer_config_arg`` (auto_round/utils/common.py), rule for rule: strict JSON first,
+    then JSON with regex backslashes (``\\d``) repaired, then the shell-friendly form: tokens ``{ } : ,`` and runs of
+    anything else but whitespace, values ``int`` / ``float`` / ``true`` / ``false`` / ``null`` / ``none`` / string, one
+    pair of matching quotes stripped. A malformed value raises :class:`LayerConfigError` naming ``--layer_config``."""
+
+    def strip_matching_quotes(token: str) -> str:
+        token = token.strip().replace("\u201c", '"').replace("\u201d", '"')
+        if len(token) >= 2 and token[0] == token[-1] and token[0] in ("'", '"'):
+            return token[1:-1]
+        return token
+
+    def normalize_scalar(value):
+        if not isinstance(value, str):
+            return value
+        value = strip_matching_quotes(value)
+        if value.lstrip("-").isdigit():
+            return int(value)
+        try:
+            return float(value)
+        except ValueError:
+            pass
+        low = value.lower()
+        return {"true": True, "false": False, "null": None, "none": None}.get(low, value)
+
+    def normalize_tree(value):
+        if isinstance(value, dict):
+            return {normalize_scalar(k): normalize_tree(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [normalize_tree(item) for item in value]
+        return normalize_scalar(value)
+
+    def escape_invalid_json_backslashes(text: str) -> str:
+        escaped, in_string, i = [], False, 0
+        while i < len(text):
+            ch = text[i]
+            if not in_string:
+                if ch == '"':
+                    in_string = True
+                escaped.append(ch)
+                i += 1
+                continue
+            if ch == "\\":
+                nxt = text[i + 1] if i + 1 < len(text) else ""
+                if nxt not in {'"', "\\", "/", "b", "f", "n", "r", "t", "u"}:
+                    escaped.append("\\\\")
+                    i += 1
+                    continue
+            if ch == '"':
+                in_string = False
+            escaped.append(ch)
+            i += 1
+        return "".join(escaped)
+
+    s = strip_matching_quotes(s)
+    for text in (s, escape_invalid_json_backslashes(s)):
+        try:
+            return normalize_tree(json.loads(text))
+        except Exception:
+            pass
+    tokens = re.findall(r"[{}:,]|[^\s{}:,]+", s)
     pos = 0
 
-    def scalar(tok: str):
-        tok = tok.strip().strip("'\"")
-        if re.fullmatch(r"-?\d+", tok):
-            return int(tok)
-        low = tok.lower()
-        return {"true": True, "false": False, "null": None, "none": None}.get(low, tok)
+    def peek():
+        return tokens[pos] if pos < len(tokens) else None
 
-    def value():
+    def consume(expected=None):
         nonlocal pos
-        if tokens[pos] == "{":
-            pos += 1
-            d = {}
-            while tokens[pos] != "}":
-                k = scalar(tokens[pos])
-                if tokens[pos + 1] != ":":
-                    raise LayerConfigError(f"--layer_config: expected ':' after {k!r} in {text!r}")
-                pos += 2
-                d[k] = value()
-                if tokens[pos] == ",":
-                    pos += 1
-            pos += 1
-            return d
-        tok = tokens[pos]
+        tok = peek()
+        if tok is None:
+            raise ValueError("unexpected end of input")
+        if expected and tok != expected:
+            raise ValueError(f"expected '{expected}', got '{tok}'")
         pos += 1
-        return scalar(tok)
+        return tok
+
+    def parse_value():
+        if peek() == "{":
+            return parse_dict()
+        return normalize_scalar(consume())
+
+    def parse_dict():
+        consume("{")
+        result = {}
+        while True:
+            if peek() == "}":
+                consume("}")
+                break
+            key = normalize_scalar(consume())
+            consume(":")
+            result[key] = parse_value()
+            if peek() == ",":
+                consume(",")
+        return result
 
     try:
-        return value()
-    except IndexError:
-        raise LayerConfigError(f"--layer_config: cannot parse {text!r}") from None
+        return parse_dict()
+    except ValueError as e:
+        raise LayerConfigError(f"--layer_config: cannot parse {s!r}: {e}") from None
 
 
 def resolve(names: dict[str, tuple[int, int]], base: Scheme,
