@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import signal
@@ -252,19 +253,23 @@ def plan_memory(model, *, max_num_seqs: int | None, max_model_len: int, max_num_
 MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
 
 
+def _json_object(flag: str, text: str) -> dict:
+    """A flag's JSON-object value, or a :class:`ServeError` naming the flag."""
+    try:
+        conf = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ServeError(f"{flag}: not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    if not isinstance(conf, dict):
+        raise ServeError(f"{flag}: a JSON object is expected, got {text!r}")
+    return conf
+
+
 def speculative_tokens(text: str | None) -> int:
     """``--speculative-config`` → drafts per verify round (0: none); a config qjax cannot serve is a
     :class:`ServeError` naming the field."""
     if text is None:
         return 0
-    import json
-
-    try:
-        conf = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ServeError(f"--speculative-config: not JSON ({e.msg} at character {e.pos}): {text!r}") from None
-    if not isinstance(conf, dict):
-        raise ServeError(f"--speculative-config: a JSON object is expected, got {text!r}")
+    conf = _json_object("--speculative-config", text)
     unknown = sorted(set(conf) - {"method", "num_speculative_tokens"})
     if unknown:
         raise ServeError(f"--speculative-config: field {unknown[0]!r} is not supported (qjax drafts with the "
@@ -289,16 +294,9 @@ def mm_limits(text: str | None) -> dict[str, int]:
     unknown modality or a negative count is a :class:`ServeError` naming it."""
     if text is None:
         return {}
-    import json
-
     flag = "--limit-mm-per-prompt"
     if text.strip().startswith("{"):
-        try:
-            conf = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ServeError(f"{flag}: not JSON ({e.msg} at character {e.pos}): {text!r}") from None
-        if not isinstance(conf, dict):
-            raise ServeError(f"{flag}: a JSON object is expected, got {text!r}")
+        conf = _json_object(flag, text)
     else:
         conf = {}
         for item in text.split(","):
