@@ -304,6 +304,21 @@ def test_search_scales_matches_autoround(dtype: str, bits: int, gs: int):
     assert not np.array_equal(np.asarray(ones), np.asarray(s0))
 
 
+def test_search_scales_stacked_experts_use_each_experts_imatrix():
+    """Stacked experts ``[E, N, K]`` with their ``[E, K]`` imatrix (what the imatrix collector gives an expert unit)
+    search each expert as auto-round searches that expert's own Linear: equal to the per-expert search."""
+    rng = np.random.default_rng(27)
+    e, shape, gs = 3, (16, 128), 32
+    w = np.stack([_weight(rng, shape, "bf16", spread=True) for _ in range(e)])
+    imatrix = rng.uniform(0.01, 50.0, (e, shape[-1])).astype(np.float32)
+    stacked = np.asarray(_search(jnp.asarray(w), jnp.asarray(imatrix), bits=2, group_size=gs))
+    for j in range(e):
+        one = _search(jnp.asarray(w[j]), jnp.asarray(imatrix[j]), bits=2, group_size=gs)
+        np.testing.assert_array_equal(stacked[j], np.asarray(one))
+    assert not np.array_equal(stacked[0], np.asarray(_search(jnp.asarray(w[0]), jnp.asarray(imatrix[1]), bits=2,
+                                                            group_size=gs)))
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_opt_rtn_int_sym_matches_autoround(bits: int):
     """opt-RTN (``quant_tensor_opt_rtn_sym``) replaces imatrix zeros before the search: groups with more than

@@ -171,11 +171,12 @@ def _any_mx(cfg: AutoRoundConfig) -> bool:
 
 
 def _tuning_keys(cfg: AutoRoundConfig, ids: np.ndarray) -> dict:
-    """The tuning options auto-round records in its quantization_config when they differ from its defaults."""
+    """The tuning options auto-round records in its quantization_config when they differ from its defaults (its
+    ``SerializedCompressorConfig``: ``enable_alg_ext`` is not among them)."""
     d = AutoRoundConfig()
     out = {}
     for k in ("iters", "nsamples", "seqlen", "batch_size", "lr", "minmax_lr", "enable_minmax_tuning",
-              "enable_quanted_input", "enable_alg_ext"):
+              "enable_quanted_input"):
         if getattr(cfg, k) != getattr(d, k):
             out[k] = getattr(cfg, k)
     if ids.shape[0] != cfg.nsamples:
@@ -328,17 +329,8 @@ def cli(a) -> int:
         if not logging.getLogger().handlers:
             logging.basicConfig(format="%(message)s")
 
-    def on_block(r):
-        if a.quiet:
-            return
-        if r.best_loss is None:
-            print(f"block {r.index}: {r.units} units, RTN, {r.seconds:.1f} s", flush=True)
-        else:
-            print(f"block {r.index} ({r.kind}): {r.units} units, loss iter 0 {r.init_loss:.4e} -> best "
-                  f"{r.best_loss:.4e} (iter {r.best_iter}), {r.seconds:.1f} s", flush=True)
-
     out = quantize_folder(model_dir, a.output_dir, cfg, dataset=dataset, fmt=a.format, dtype=a.dtype,
-                          overwrite=a.overwrite, resume=a.resume, progress=not a.quiet, on_block=on_block)
+                          overwrite=a.overwrite, resume=a.resume, progress=not a.quiet)
     for f, d in format_dirs(out, a.format).items():
         print(f"wrote {d} ({f})")
     return 0

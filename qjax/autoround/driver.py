@@ -249,9 +249,7 @@ class AutoRound:
             prog.save_block(self, report.index)
         if self.on_block:
             self.on_block(report)
-        logger.info("block %d/%d (%s): %d units, loss iter 0 %s -> best %s (iter %s), %.1f s", report.index + 1,
-                    len(self.layers), report.kind, report.units, _fmt(report.init_loss), _fmt(report.best_loss),
-                    report.best_iter, report.seconds)
+        logger.info("%s", report.line(len(self.layers)))
 
     # -- one block ----------------------------------------------------------------------------------------------------
     def _quantize_block(self, i, layer, units, x_in, fp_out, imatrix):
@@ -476,10 +474,6 @@ def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max
 
 def _clamp(p: dict, alpha_max: float) -> dict:
     return {**p, "alpha": jnp.clip(p["alpha"], 0.0, alpha_max), "beta": jnp.clip(p["beta"], 0.0, 1.0)}
-
-
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.3e}"
 
 
 def _bar(enabled: bool, total: int, desc: str):

@@ -349,10 +349,14 @@ def _reciprocal(t: jax.Array, dtype) -> jax.Array:
 
 
 def _broadcast_imatrix(imatrix: jax.Array | None, w: jax.Array, group_size: int) -> jax.Array | None:
-    """imatrix ``[K]`` or anything broadcastable to ``[*lead, N, K]`` -> f32 ``[*lead, N, G, gs]`` (None stays None)."""
+    """imatrix ``[K]``, ``[*lead, K]`` (one row per stacked matrix: the experts' ``[E, K]``) or anything broadcastable
+    to ``[*lead, N, K]`` -> f32 ``[*lead, N, G, gs]`` (None stays None)."""
     if imatrix is None:
         return None
-    im = jnp.broadcast_to(jnp.asarray(imatrix, _F32), w.shape)
+    im = jnp.asarray(imatrix, _F32)
+    if 1 < im.ndim == w.ndim - 1 and im.shape == w.shape[:-2] + w.shape[-1:]:
+        im = im[..., None, :]  # [*lead, K]: the same channel weights for every output row of that matrix
+    im = jnp.broadcast_to(im, w.shape)
     return _grouped(im, group_size)
 
 

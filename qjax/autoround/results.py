@@ -32,3 +32,11 @@ class BlockReport:
     best_loss: float | None = None
     best_iter: int | None = None
     seconds: float = 0.0
+
+    def line(self, num_blocks: int) -> str:
+        """The one line a run reports when this block is finished (1-based, as auto-round counts blocks)."""
+        head = f"block {self.index + 1}/{num_blocks} ({self.kind}): {self.units} units"
+        if self.best_loss is None:
+            return f"{head}, RTN, {self.seconds:.1f} s"
+        return (f"{head}, loss iter 0 {self.init_loss:.3e} -> best {self.best_loss:.3e} (iter {self.best_iter}), "
+                f"{self.seconds:.1f} s")
