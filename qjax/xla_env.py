@@ -10,6 +10,10 @@ set before the first computation (importing qjax before anything runs a JAX op i
   97 s) and its pool was once seen wedged on this machine.
 
 A flag the user already put in ``XLA_FLAGS`` is left as the user set it.
+
+The persistent compilation cache (:func:`compile_cache_dir`, :func:`use_compile_cache`) is switched on by the
+commands that compile the same programs run after run (``qjax quantize``: one tuning step per block structure, each
+5–15 s to compile on CPU). It is process-wide JAX state, so only a command's entry point sets it, never the library.
 """
 
 from __future__ import annotations
@@ -28,3 +32,34 @@ def apply(*, single_threaded: bool = False, environ=os.environ) -> str:
     if add:
         environ["XLA_FLAGS"] = " ".join([cur, *add]).strip()
     return environ.get("XLA_FLAGS", "")
+
+
+COMPILE_CACHE_ENV = "QJAX_COMPILE_CACHE"  # a folder, or "off"
+
+
+def compile_cache_dir(flag: str | None = None, environ=os.environ) -> str | None:
+    """Where compiled programs are kept between runs: ``flag`` (a command's ``--compile_cache``), else
+    ``$QJAX_COMPILE_CACHE``, else JAX's own ``$JAX_COMPILATION_CACHE_DIR``, else ``$XDG_CACHE_HOME/qjax/jax``
+    (``~/.cache/qjax/jax``); None when it is ``off``."""
+    value = flag if flag is not None else environ.get(COMPILE_CACHE_ENV, environ.get("JAX_COMPILATION_CACHE_DIR"))
+    if value is None:
+        base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        value = os.path.join(base, "qjax", "jax")
+    return None if value.strip().lower() in ("off", "none", "") else os.path.abspath(os.path.expanduser(value))
+
+
+def use_compile_cache(path: str | None, min_compile_seconds: float | None = None, environ=os.environ) -> str | None:
+    """Point JAX's persistent compilation cache at ``path`` (created if missing; None leaves the cache off).
+    Programs that took ``min_compile_seconds`` or more to compile (default: ``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
+    or 1 s) are stored; a later run with the same program, jax version and machine loads them instead of compiling.
+    Returns ``path``."""
+    if path is None:
+        return None
+    import jax
+
+    if min_compile_seconds is None:
+        min_compile_seconds = float(environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0"))
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
+    return path

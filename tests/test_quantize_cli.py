@@ -116,18 +116,22 @@ def test_auto_round_format_and_refusals(base, tmp_path):
 
 @pytest.mark.slow
 def test_each_block_reported_once_and_nothing_to_quantize_is_an_error(base, tmp_path):
-    """Without --quiet every finished block is one line, numbered as auto-round numbers them (1/4 … 4/4); a run whose
-    group size divides no layer is an error naming the shapes, not an exit-0 float folder."""
+    """Without --quiet every finished block is one line, numbered as auto-round numbers them (1/4 … 4/4), and the
+    compilation cache is named and filled; a run whose group size divides no layer is an error naming the shapes,
+    not an exit-0 float folder."""
     folder, calib = base
-    out = tmp_path / "once"
-    p = _run("--model", folder, "--dataset", calib, "--output_dir", str(out), "--iters", "2", *RECIPE)
+    out, cache = tmp_path / "once", tmp_path / "compiled"
+    p = _run("--model", folder, "--dataset", calib, "--output_dir", str(out), "--iters", "2", "--compile_cache",
+             str(cache), *RECIPE)
+    assert f"compilation cache: {cache} " in p.stderr and any(cache.iterdir())
     # the progress bar's frames ("block 1/4:  50%|…") are not reports; a finished block's line names its kind
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if re.match(r"block \d+/\d+ \(", ln)]
     assert [ln.split(" ", 2)[1] for ln in lines] == ["1/4", "2/4", "3/4", "4/4"], p.stdout + p.stderr
     assert all("loss iter 0" in ln for ln in lines)
     bad = tmp_path / "g48"
     p = _run("--model", folder, "--dataset", calib, "--output_dir", str(bad), "--iters", "0", "--group_size", "48",
-             "--nsamples", "2", "--seqlen", str(SEQLEN), check=False)
+             "--nsamples", "2", "--seqlen", str(SEQLEN), "--compile_cache", "off", check=False)
+    assert "compilation cache: off" in p.stderr
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and last.startswith("error: nothing would be quantized: "), p.stderr
     assert "layers with in_features 64 (not a multiple of group_size 48)" in last and "in_features 32 " in last

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import qjax
+from qjax import xla_env
 from qjax.checkpoint.hub import default_model_dir
 from qjax.checkpoint.view import Checkpoint
 from qjax.convert.autoround_writer import save_autoround
@@ -286,6 +287,9 @@ def add_arguments(p) -> None:
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last finished block")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--compile_cache", default=None, metavar="DIR",
+                   help="folder of compiled tuning steps, reused across blocks and runs; 'off' to disable (default: "
+                        f"${xla_env.COMPILE_CACHE_ENV}, else ~/.cache/qjax/jax)")
     g = p.add_argument_group("auto-round flags accepted with no effect in qjax (a note on stderr each)")
     g.add_argument("--device_map", "--device", "--devices", default=None)
     tc = g.add_mutually_exclusive_group()
@@ -328,6 +332,10 @@ def cli(a) -> int:
         logging.getLogger("qjax.autoround").setLevel(logging.INFO)
         if not logging.getLogger().handlers:
             logging.basicConfig(format="%(message)s")
+    cache = xla_env.use_compile_cache(xla_env.compile_cache_dir(a.compile_cache))
+    if not a.quiet:
+        print(f"compilation cache: {cache} (compiled tuning steps are reused across blocks and runs)" if cache else
+              "compilation cache: off (every block structure compiles its tuning step in this run)", file=sys.stderr)
 
     out = quantize_folder(model_dir, a.output_dir, cfg, dataset=dataset, fmt=a.format, dtype=a.dtype,
                           overwrite=a.overwrite, resume=a.resume, progress=not a.quiet)

@@ -217,7 +217,7 @@ class AutoRound:
             imatrix = self._imatrix(layer, fp_in, units) if self._needs_imatrix(units) else {}
             res, stats = self._quantize_block(i, layer, units, x_in, fp_out, imatrix)
             self.results[i] = res
-            report.init_loss, report.best_loss, report.best_iter = stats
+            report.init_loss, report.best_loss, report.best_iter, report.iter_seconds, report.compile_seconds = stats
             qlayer = self._apply_results(layer, i)
             q_out = self._forward(qlayer, q_in) if self.cfg.enable_quanted_input else fp_out
             if self.cfg.static_kv_dtype and kind == FULL:
@@ -266,7 +266,7 @@ class AutoRound:
                 consts[u.name] = c
                 params[u.name] = init_params(w, s.group_size)
         tune = cfg.iters > 0 and bool(params)
-        stats = (None, None, None)
+        stats = (None, None, None, None, None)
         if tune:
             params, stats = self._tune(i, layer, units, weights, consts, params, x_in, fp_out)
         out: dict[str, UnitResult] = {}
@@ -345,13 +345,15 @@ class AutoRound:
         best_params = params
         carry = (params, opt_state, best, best_params, jnp.asarray(0, jnp.int32), jnp.asarray(-1, jnp.int32))
         bar = _bar(self.progress, cfg.iters, f"block {i + 1}/{len(self.layers)}")
-        losses = []
+        losses, chunks = [], []  # chunks: (iterations, seconds) of each jitted call
         it = 0
         while it < cfg.iters:
             k = min(cfg.chunk, cfg.iters - it)
             idx = jnp.asarray([sampler.next_batch() for _ in range(k)], jnp.int32)
+            t0 = time.perf_counter()
             carry, chunk_losses = step(carry, idx, state, weights, consts, fixed, x_in, fp_out, ctx, mask)
-            chunk_losses = np.asarray(chunk_losses)
+            chunk_losses = np.asarray(chunk_losses)  # waits for the chunk
+            chunks.append((k, time.perf_counter() - t0))
             losses.extend(chunk_losses.tolist())
             it += k
             if bar is not None:
@@ -361,7 +363,10 @@ class AutoRound:
             bar.close()
         params, _, best, best_params, _, best_iter = carry
         final = params if cfg.not_use_best_mse else best_params
-        return final, (float(losses[0]), float(best), int(best_iter))
+        per_iter = [sec / k for k, sec in chunks[1:] if k == cfg.chunk] or [chunks[0][1] / chunks[0][0]]
+        iter_s = float(np.median(per_iter))
+        return final, (float(losses[0]), float(best), int(best_iter), iter_s,
+                       max(0.0, chunks[0][1] - chunks[0][0] * iter_s))
 
     # -- results ------------------------------------------------------------------------------------------------------
     def _apply_results(self, layer, i: int):

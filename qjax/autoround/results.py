@@ -32,11 +32,16 @@ class BlockReport:
     best_loss: float | None = None
     best_iter: int | None = None
     seconds: float = 0.0
+    # tuning only: the steady time of one iteration (median over the chunks after the first, compiled ones) and
+    # what the first chunk took beyond that many iterations (compiling the step, or loading it from the cache)
+    iter_seconds: float | None = None
+    compile_seconds: float | None = None
 
     def line(self, num_blocks: int) -> str:
         """The one line a run reports when this block is finished (1-based, as auto-round counts blocks)."""
         head = f"block {self.index + 1}/{num_blocks} ({self.kind}): {self.units} units"
         if self.best_loss is None:
             return f"{head}, RTN, {self.seconds:.1f} s"
+        speed = "" if self.iter_seconds is None else f" ({self.iter_seconds * 1e3:.0f} ms/iter)"
         return (f"{head}, loss iter 0 {self.init_loss:.3e} -> best {self.best_loss:.3e} (iter {self.best_iter}), "
-                f"{self.seconds:.1f} s")
+                f"{self.seconds:.1f} s{speed}")
