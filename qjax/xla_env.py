@@ -11,9 +11,10 @@ set before the first computation (importing qjax before anything runs a JAX op i
 
 A flag the user already put in ``XLA_FLAGS`` is left as the user set it.
 
-The persistent compilation cache (:func:`compile_cache_dir`, :func:`use_compile_cache`) is switched on by the
-commands that compile the same programs run after run (``qjax quantize``: one tuning step per block structure, each
-5–15 s to compile on CPU). It is process-wide JAX state, so only a command's entry point sets it, never the library.
+Where the persistent compilation cache lives (:func:`compile_cache_dir`) is decided here too; the commands that
+compile the same programs run after run switch it on (``qjax quantize``: one tuning step per block structure, each
+5–15 s to compile on CPU). It is process-wide JAX state, so only a command's entry point sets it, never the library
+(and this module stays free of jax: it runs before anything else is imported).
 """
 
 from __future__ import annotations
@@ -47,19 +48,3 @@ def compile_cache_dir(flag: str | None = None, environ=os.environ) -> str | None
         value = os.path.join(base, "qjax", "jax")
     return None if value.strip().lower() in ("off", "none", "") else os.path.abspath(os.path.expanduser(value))
 
-
-def use_compile_cache(path: str | None, min_compile_seconds: float | None = None, environ=os.environ) -> str | None:
-    """Point JAX's persistent compilation cache at ``path`` (created if missing; None leaves the cache off).
-    Programs that took ``min_compile_seconds`` or more to compile (default: ``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
-    or 1 s) are stored; a later run with the same program, jax version and machine loads them instead of compiling.
-    Returns ``path``."""
-    if path is None:
-        return None
-    import jax
-
-    if min_compile_seconds is None:
-        min_compile_seconds = float(environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0"))
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
-    return path

@@ -25,7 +25,7 @@ ROOMS = {
     "quant": {"model", "kernels", "validation"},
     "checkpoint": {"model", "multimodal", "quant", "kernels", "validation"},
     "convert": {"checkpoint", "model", "quant", "validation"},
-    "autoround": {"checkpoint", "convert", "model", "quant", "kernels", "validation", "init"},
+    "autoround": {"checkpoint", "convert", "model", "quant", "kernels", "validation", "xla_env", "init"},
     "runtime": {"checkpoint", "convert", "model", "multimodal", "quant", "kernels", "validation"},
     "serving": {"runtime", "model", "multimodal", "tokenizer", "validation"},
     "evaluation": {"runtime", "checkpoint", "model", "tokenizer", "validation", "init"},

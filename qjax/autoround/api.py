@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -315,6 +316,19 @@ def add_arguments(p) -> None:
     p.parse_known_args = parse_known_args
 
 
+def use_compile_cache(path: str | None) -> str | None:
+    """Point JAX's persistent compilation cache at ``path`` (created if missing; None leaves it off) for this
+    process. Programs that took ``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` (1 s) or more to compile are stored;
+    a later run of the same program, jax version and machine loads them instead of compiling."""
+    if path is None:
+        return None
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0")))
+    return path
+
+
 def cli(a) -> int:
     if a.model_pos is not None:
         if a.model is not None and a.model != a.model_pos:
@@ -332,7 +346,7 @@ def cli(a) -> int:
         logging.getLogger("qjax.autoround").setLevel(logging.INFO)
         if not logging.getLogger().handlers:
             logging.basicConfig(format="%(message)s")
-    cache = xla_env.use_compile_cache(xla_env.compile_cache_dir(a.compile_cache))
+    cache = use_compile_cache(xla_env.compile_cache_dir(a.compile_cache))
     if not a.quiet:
         print(f"compilation cache: {cache} (compiled tuning steps are reused across blocks and runs)" if cache else
               "compilation cache: off (every block structure compiles its tuning step in this run)", file=sys.stderr)
