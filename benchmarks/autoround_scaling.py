@@ -28,6 +28,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import platform  # noqa: E402
+import resource  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -48,6 +49,7 @@ class Row:
     iter_ms: float
     compile_s: float
     expert_mib: float  # the layer's expert weights (float32)
+    peak_mib: float  # the process's peak resident memory so far (E grows, so: this run's peak)
 
 
 def tune_layers(experts: int, a) -> list[Row]:
@@ -66,7 +68,8 @@ def tune_layers(experts: int, a) -> list[Row]:
         nsamples=a.nsamples, seqlen=a.seqlen, batch_size=a.batch_size, chunk=a.chunk), progress=False)
     ar.run()
     mib = experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4 / 2 ** 20
-    return [Row(experts, r.kind, r.iter_seconds * 1e3, r.compile_seconds, mib) for r in ar.reports]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return [Row(experts, r.kind, r.iter_seconds * 1e3, r.compile_seconds, mib, peak) for r in ar.reports]
 
 
 def markdown(rows: list[Row], a, wall: float, verdict: str) -> str:
@@ -81,30 +84,33 @@ def markdown(rows: list[Row], a, wall: float, verdict: str) -> str:
              f"seed-000 recipe (W4 g128, experts W2 g64), {a.iters} iterations, batch {a.batch_size} × {a.seqlen} "
              f"tokens (= {a.batch_size * a.seqlen * 4} routed token-slots for every E). Iteration time: median of the "
              f"jitted {a.chunk}-iteration chunks after the first (the driver's `BlockReport.iter_seconds`); compile: "
-             "the first chunk's time beyond that.", "",
+             "the first chunk's time beyond that. Peak RSS: the whole process (model of two layers, calibration "
+             "streams, one block's tuning state).", "",
              "| experts | routed rows per expert | expert weights (MiB, fp32) | GDN layer ms/iter | × E=4 | "
-             "attention layer ms/iter | × E=4 | compile s (GDN / attn) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "attention layer ms/iter | × E=4 | compile s (GDN / attn) | peak RSS (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     base = {r.kind: r.iter_ms for r in rows if r.experts == min(x.experts for x in rows)}
     for e in sorted({r.experts for r in rows}):
         lin = next(r for r in rows if r.experts == e and r.kind == LIN)
         full = next(r for r in rows if r.experts == e and r.kind == FULL)
-        lines.append(f"| {e} | {a.batch_size * a.seqlen * 4 // e} | {lin.expert_mib:.1f} | {lin.iter_ms:.0f} | {lin.iter_ms / base[LIN]:.2f}× | "
-                     f"{full.iter_ms:.0f} | {full.iter_ms / base[FULL]:.2f}× | {lin.compile_s:.1f} / "
-                     f"{full.compile_s:.1f} |")
+        lines.append(f"| {e} | {a.batch_size * a.seqlen * 4 // e} | {lin.expert_mib:.1f} | {lin.iter_ms:.0f} | "
+                     f"{lin.iter_ms / base[LIN]:.2f}× | {full.iter_ms:.0f} | {full.iter_ms / base[FULL]:.2f}× | "
+                     f"{lin.compile_s:.1f} / {full.compile_s:.1f} | {full.peak_mib:.0f} |")
     lines += ["", verdict, "", "What grows with E at fixed routed tokens: the experts' quantize-dequantize, their "
               "gradients and sign-SGD state (∝ E), and the padding of each expert's rows up to a whole row block "
               "(≤ E × (block − 1) rows; the block shrinks to 32 rows at 32 rows per expert). At the real model's "
               "sizes (hidden 2048, expert width 512, 8 × 2048 tokens × top-8 over 256 experts ≈ 512 rows per "
-              "expert) the qdq is about 1 % of a step's matmul work.", "", f"1-min load average: {a.load[0]:.2f} at start, {a.load[1]:.2f} at the end, on "
-              f"{os.cpu_count()} CPUs" + (" — **the machine was shared: absolute times are inflated and the ratios "
-                                        "noisy**." if max(a.load) > (os.cpu_count() or 1) + 0.5 else "."), ""]
+              "expert) the qdq is about 1 % of a step's matmul work.", "",
+              f"1-min load average: {a.load[0]:.2f} at start, {a.load[1]:.2f} at the end, on {os.cpu_count()} CPUs"
+              + (" — **the machine was shared: absolute times are inflated and the ratios noisy**."
+                 if max(a.load) > (os.cpu_count() or 1) + 0.5 else "."), ""]
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--experts", type=int, nargs="+", default=[4, 8, 32, 256])
+    ap.add_argument("--experts", type=int, nargs="+", default=[4, 8, 32, 256],
+                    help="expert counts, run in this order (ascending: the peak RSS column is the process's peak)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--chunk", type=int, default=10)
     ap.add_argument("--nsamples", type=int, default=16)

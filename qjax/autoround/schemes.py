@@ -305,8 +305,8 @@ def resolve(names: dict[str, tuple[int, int]], base: Scheme,
     if names and not any(s.quantized for s in out.values()):
         # exit 0 with a float folder would look like success; say which shapes the requested groups missed
         if partial:
-            shapes = "; ".join(f"{len(w)} layer{'s' * (len(w) > 1)} with in_features {n_in} (not a multiple of group_size {gs})"
-                               for (n_in, gs), w in partial.items())
+            shapes = "; ".join(f"{len(w)} layer{'s' * (len(w) > 1)} with in_features {n_in} (not a multiple of "
+                               f"group_size {gs})" for (n_in, gs), w in partial.items())
             raise LayerConfigError(f"nothing would be quantized: {shapes}; pick a group_size that divides them")
         raise LayerConfigError("nothing would be quantized: every layer is kept in float by the scheme, "
                                "--layer_config or --ignore_layers")
