@@ -10,6 +10,11 @@
 #   benchmarks/gpu/run.sh vision    the full-size vision tower (random weights, bf16): one 448² image, one 1024² image
 #                                   and a batch of four 448² images, median time and compile time, < 5 min (issue 23)
 #   benchmarks/gpu/run.sh           all five (only when the session has the device time for them)
+#   benchmarks/gpu/run.sh budget    what fits one call of a 15-minute lease (< 9 min): the kernel rows behind the
+#                                   targets (MoE, the 8192×2048 dense GEMV/GEMM, the GDN step), the vision tower, and
+#                                   e2e w2w4 without the baseline; each part runs even if one before it fails
+# Knobs (environment): REPEATS, KERNEL_ARGS (extra benchmarks/kernels.py flags), KERNEL_TIMEOUT, RECIPES, BASELINE
+# ('' for none), RECIPE_TIMEOUT, E2E_TIMEOUT, VISION_REPEATS, VISION_TIMEOUT.
 # Results land in $OUT (kernels.txt, e2e.md, e2e.json, vision.md); copy the tables into benchmarks/RESULTS.md.
 # The GPU image cannot install packages, so qjax is made importable from the working tree through a symlinked
 # package folder (kernels/ -> qjax.kernels, convert/ -> qjax.convert), exactly as pyproject maps them.
@@ -19,7 +24,15 @@ ROOT=$(pwd)
 PHASE=${1:-all}
 case "$PHASE" in
   kernels|e2e|serve|spec|vision|all) ;;
-  *) echo "usage: $0 [kernels|e2e|serve|spec|vision|all]" >&2; exit 2;;
+  budget)
+    self="$0"; rc=0
+    REPEATS=10 KERNEL_TIMEOUT=120 KERNEL_ARGS="--skip-dense --skip-gdn" "$self" kernels || rc=1
+    REPEATS=10 KERNEL_TIMEOUT=80 KERNEL_ARGS="--filter 8192x2048 --skip-moe --skip-gdn" "$self" kernels || rc=1
+    REPEATS=10 KERNEL_TIMEOUT=45 KERNEL_ARGS="--skip-dense --skip-moe" "$self" kernels || rc=1
+    VISION_REPEATS=5 VISION_TIMEOUT=100 "$self" vision || rc=1
+    RECIPES=w2w4 BASELINE= RECIPE_TIMEOUT=170 E2E_TIMEOUT=180 "$self" e2e || rc=1
+    exit $rc;;
+  *) echo "usage: $0 [kernels|e2e|serve|spec|vision|all|budget]" >&2; exit 2;;
 esac
 PKG=$(mktemp -d)
 mkdir -p "$PKG/qjax"
@@ -36,13 +49,16 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=c
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 if [[ $PHASE == kernels || $PHASE == all ]]; then
   # correctness first (fails the run on a mismatch), then the timings, all in one table
-  timeout 450 python3 benchmarks/kernels.py --check --repeats ${REPEATS:-20} 2>&1 | tee "$OUT/kernels.txt"
+  # KERNEL_ARGS narrows the run (e.g. "--skip-dense --skip-gdn" or "--filter 8192x2048"); appended to kernels.txt
+  # so that several narrowed runs in one call keep every table
+  timeout ${KERNEL_TIMEOUT:-450} python3 benchmarks/kernels.py --check --repeats ${REPEATS:-20} ${KERNEL_ARGS:-} 2>&1 \
+    | tee -a "$OUT/kernels.txt"
 fi
 if [[ $PHASE == e2e || $PHASE == all ]]; then
   # one process per recipe (its own peak memory); e2e.md is rewritten after each recipe, so a run cut short by the
   # timeout still leaves the recipes it finished. Baseline (plain-XLA dequantize-then-matmul) for w2w4 only: it
   # doubles the compiles.
-  timeout 460 python3 benchmarks/e2e.py --full --no-write --out "$OUT" --timeout 200 --baseline w2w4 \
+  timeout ${E2E_TIMEOUT:-460} python3 benchmarks/e2e.py --full --no-write --out "$OUT" --timeout ${RECIPE_TIMEOUT:-200} --baseline "${BASELINE-w2w4}" \
     --recipes ${RECIPES:-w2w4,w8a16-g32,mxfp8-experts,bf16} 2>&1 | tee "$OUT/e2e.txt" || true
   test -s "$OUT/e2e.md"
 fi
@@ -56,5 +72,5 @@ if [[ $PHASE == spec || $PHASE == all ]]; then
 fi
 if [[ $PHASE == vision || $PHASE == all ]]; then
   # qjax only (the image has no torch/transformers, maybe no Pillow: pixel values come from numpy); writes vision.md
-  timeout 300 python3 benchmarks/vision.py --gpu --repeats ${VISION_REPEATS:-10} --out "$OUT" 2>&1
+  timeout ${VISION_TIMEOUT:-300} python3 benchmarks/vision.py --gpu --repeats ${VISION_REPEATS:-10} --out "$OUT" 2>&1
 fi
