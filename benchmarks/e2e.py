@@ -68,7 +68,9 @@ def run_recipe(recipe: str, args: list[str], timeout: float) -> tuple[dict | Non
         cmd = [sys.executable, "-m", "qjax.cli", "bench", "--recipe", recipe, *args, "--json", out]
         t0 = time.perf_counter()
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            # cwd: the temp folder, so that `-m` does not put a checkout's qjax/ (no kernels/ inside: the GPU image
+            # imports qjax through run.sh's symlinked package) ahead of the installed one on sys.path
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp)
         except subprocess.TimeoutExpired as e:
             return None, f"timed out after {timeout:.0f} s\n{(e.stderr or b'')[-2000:]!r}"
         log = (p.stderr + p.stdout)[-3000:]
