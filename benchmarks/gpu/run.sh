@@ -10,6 +10,7 @@
 #   benchmarks/gpu/run.sh vision    the full-size vision tower (random weights, bf16): one 448² image, one 1024² image
 #                                   and a batch of four 448² images, median time and compile time, < 5 min (issue 23)
 #   benchmarks/gpu/run.sh           all five (only when the session has the device time for them)
+#   benchmarks/gpu/run.sh sweep     the GEMV block-size sweep (benchmarks/gpu/sweep_gemv.py), timed inside the device
 #   benchmarks/gpu/run.sh budget    what fits one call of a 15-minute lease (< 9 min): the kernel rows behind the
 #                                   targets (MoE, the 8192×2048 dense GEMV/GEMM, the GDN step), the vision tower, and
 #                                   e2e w2w4 without the baseline; each part runs even if one before it fails
@@ -23,7 +24,7 @@ cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 PHASE=${1:-all}
 case "$PHASE" in
-  kernels|e2e|serve|spec|vision|all) ;;
+  kernels|e2e|serve|spec|vision|sweep|all) ;;
   budget)
     self="$0"; rc=0
     REPEATS=10 KERNEL_TIMEOUT=120 KERNEL_ARGS="--skip-dense --skip-gdn" "$self" kernels || rc=1
@@ -32,7 +33,7 @@ case "$PHASE" in
     VISION_REPEATS=5 VISION_TIMEOUT=100 "$self" vision || rc=1
     RECIPES=w2w4 BASELINE= RECIPE_TIMEOUT=170 E2E_TIMEOUT=180 "$self" e2e || rc=1
     exit $rc;;
-  *) echo "usage: $0 [kernels|e2e|serve|spec|vision|all|budget]" >&2; exit 2;;
+  *) echo "usage: $0 [kernels|e2e|serve|spec|vision|sweep|all|budget]" >&2; exit 2;;
 esac
 PKG=$(mktemp -d)
 mkdir -p "$PKG/qjax"
@@ -69,6 +70,9 @@ fi
 if [[ $PHASE == spec || $PHASE == all ]]; then
   timeout 300 python3 benchmarks/speculative.py --cost-only --full --recipe w2w4 --dtype bfloat16 --no-write \
     --repeats 5 2>&1 | tee "$OUT/spec.txt"
+fi
+if [[ $PHASE == sweep ]]; then
+  timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/gpu/sweep_gemv.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.txt"
 fi
 if [[ $PHASE == vision || $PHASE == all ]]; then
   # qjax only (the image has no torch/transformers, maybe no Pillow: pixel values come from numpy); writes vision.md
