@@ -15,7 +15,7 @@ import importlib
 
 from . import xla_env
 
-xla_env.apply()  # before the CPU backend starts: YNNPACK single dots, no fusions (one miscomputed fp32; xla_env.py)
+xla_env.apply()  # before the CPU backend starts: a YNNPACK fusion miscomputes fp32 quantized matmuls (xla_env.py)
 
 # public name → the module that defines it
 _EXPORTS = {

@@ -1,15 +1,15 @@
 """XLA:CPU flags qjax relies on. They are read once, when JAX starts its CPU backend, so they only take effect when
 set before the first computation (importing qjax before anything runs a JAX op is enough).
 
-- ``--xla_cpu_experimental_ynn_fusion_type=individual_dot``: YNNPACK runs single dots, and fuses nothing around
-  them. With 1024 or more rows, XLA:CPU (jax 0.10–0.11) once fused a quantized layer's dequantize + matmul + what
-  follows into one YNNPACK fusion that was off by ~1e-2 absolute in float32 (op by op the same code is within 3e-6
-  of float64; seen on the quantized ``in_proj_z`` → gated RMSNorm path at 4 × 257 tokens), so fusions stay off. An
-  empty list (the earlier setting) also turned YNNPACK's plain dots off, and XLA's own small matmuls are 2–2.5×
-  slower ([64, 512] × [512, 512]: 0.66 vs 0.29–0.41 ms on a 2-core AMD EPYC; the routed-expert blocks of a prefill
-  are such matmuls, and the ``mid`` prefill went from 867 to 1,441 tok/s). Individual YNNPACK dots are float32
-  exact (max rel. error 4e-7–8e-7 against float64 at 64–4096 rows, as XLA's), and the RTN W4 built-in model's
-  float32 logits at 4 × 257 tokens are as close to float64 as before (max 1.86e-5 vs 1.82e-5).
+- ``--xla_cpu_experimental_ynn_fusion_type=`` (empty: no YNNPACK fusions, and no YNNPACK dots). With 1024 or more
+  rows, XLA:CPU (jax 0.10–0.11) fuses a quantized layer's dequantize + matmul + what follows into one YNNPACK fusion
+  that is off by ~1e-2 absolute in float32 (op by op the same code is within 3e-6 of float64). Seen on the quantized
+  ``in_proj_z`` → gated RMSNorm path at 4 × 257 tokens; dense models were unaffected.
+  Measured 2026-12-04 (RESULTS.md, CPU prefill): ``individual_dot`` instead (YNNPACK for single dots, no fusions)
+  makes XLA:CPU's small matmuls 2–2.5× faster and float32-exact, and the ``mid`` prefill 1.66× faster, but a
+  bfloat16 model then fails at batch > 1 (``UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x
+  BF16 = F32``, jax 0.10.2 and 0.11.2: a dot YNNPACK declines is left in bf16 for XLA's own dot, which cannot run
+  it). So it is not the default; a float32 user can set it in ``XLA_FLAGS`` (a user's flag wins, below).
 - ``--xla_cpu_multi_thread_eigen=false`` (CLI, tests, benchmarks only: a speed choice, not a correctness one).
   Multi-threaded Eigen was no faster for these model sizes on 2 cores (AutoRound on the built-in model: 123 s vs
   97 s) and its pool was once seen wedged on this machine.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-CORRECTNESS_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "individual_dot"}
+CORRECTNESS_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 SPEED_FLAGS = {"xla_cpu_multi_thread_eigen": "false"}
 
 
