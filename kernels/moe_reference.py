@@ -1,10 +1,10 @@
 """Plain-JAX reference of the routed-expert computation (dense or quantized experts), the oracle of the Pallas
 MoE kernels.
 
-Two ways, picked statically from the number of token-slots ``N·k`` (:func:`routed_experts`):
+Two ways, picked statically from the number of token-slots ``N·k``:
 - *gather* (decode): fetch the k expert matrices each token needs — reads only those weights;
-- *blocked* (prefill): sort token-slots by expert into expert-aligned row blocks, one block per scan step.
-A third, *grouped* (sort, then ``ragged_dot``), is the plain-XLA baseline the benchmarks compare with. All contract the weights in their stored ``[out, in]`` layout, so no transposed copy of the experts is made.
+- *grouped* (prefill): sort token-slots by expert and run ``ragged_dot`` — one grouped matmul per projection.
+Both contract the weights in their stored ``[out, in]`` layout, so no transposed copy of the experts is made.
 """
 
 from __future__ import annotations
@@ -84,19 +84,13 @@ def experts_grouped(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
 
 
 def experts_blocked(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_experts: int):
-    """Routed experts over fixed-size row blocks, each block owned by one expert, one block per scan step.
+    """Routed experts as a batched matmul over fixed-size row blocks, each block owned by one expert.
 
     Token-slots are sorted by expert and each expert's run padded to a multiple of the block height (vLLM's
-    ``moe_align_block_size``). A ``lax.scan`` then visits the blocks: each step slices its expert's matrices (a
-    view; quantized experts are dequantized one at a time) and runs two ``[block, ·]`` matmuls. The number of blocks
-    is bounded statically (``nb``: every expert may leave a partial block), but only the blocks that hold rows are
-    computed (a ``lax.cond`` skips the rest), so the cost follows the routed token-slots, not the expert count, and
-    no ``[nb, 2I, H]`` copy of gathered weights is made (a batched form of the same blocks spent ~20 % more time and
-    6× more temporary memory at 512 tokens × 32 experts on CPU; RESULTS.md, issue 24). On CPU this is much faster
-    than ``ragged_dot`` (which XLA:CPU runs as a dense loop). Same contract as :func:`experts_gather`.
+    ``moe_align_block_size``); every block gathers its expert's matrices once. On CPU this is ~6× faster than
+    ``ragged_dot`` (which XLA:CPU runs as a dense loop) — same contract as :func:`experts_gather`.
     """
     n, k = idx.shape
-    h = x.shape[1]
     s = n * k
     block = int(min(128, max(8, 1 << max(0, (-(-s // num_experts) - 1).bit_length()))))
     nb = (s + num_experts * (block - 1)) // block  # static bound on the number of blocks
@@ -113,27 +107,16 @@ def experts_blocked(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     dest = jnp.where(e_sorted < num_experts, starts[e_safe] + jnp.arange(s) - first[e_safe], nb * block)
     rows = jnp.full((nb * block,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
     blk_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * block, side="right"), num_experts - 1)
-    used = ends[-1] // block  # blocks holding rows; the rest of the static bound is skipped
     valid = rows >= 0
     token = jnp.where(valid, rows // k, 0)
+    xs = x[token].reshape(nb, block, x.shape[1])
+    gu = _dot_out_in(xs, gate_up(blk_expert), "bth,boh->bto").astype(x.dtype)
+    inter = gu.shape[-1] // 2
+    act = (silu(gu[..., :inter]) * gu[..., inter:]).astype(x.dtype)
+    out = _dot_out_in(act, down(blk_expert), "bti,bhi->bth").reshape(nb * block, x.shape[1])
     acc_dtype = accum_dtype(x.dtype)
-
-    def one_block(b):
-        xb = x[jax.lax.dynamic_slice_in_dim(token, b * block, block)]  # [block, H]
-        e = blk_expert[b]
-        gu = _dot_out_in(xb, gate_up(e), "th,oh->to").astype(x.dtype)
-        inter = gu.shape[-1] // 2
-        act = (silu(gu[:, :inter]) * gu[:, inter:]).astype(x.dtype)
-        return _dot_out_in(act, down(e), "ti,hi->th")
-
-    def step(carry, b):
-        out = jax.lax.cond(b < used, one_block, lambda b: jnp.zeros((block, h), acc_dtype), b)
-        return carry, out
-
-    _, out = jax.lax.scan(step, None, jnp.arange(nb, dtype=jnp.int32))
-    out = out.reshape(nb * block, h)
     w = jnp.where(valid, weights.reshape(-1)[jnp.maximum(rows, 0)].astype(acc_dtype), 0.0)
-    return jnp.zeros((n, h), acc_dtype).at[token].add(out * w[:, None])
+    return jnp.zeros((n, x.shape[1]), acc_dtype).at[token].add(out * w[:, None])
 
 
 def routed_experts(x, idx, weights, gate_up: WeightFn, down: WeightFn, *, num_experts: int):
