@@ -190,7 +190,7 @@ def run_qjax_process(base: str, calib: str, out: str, a, cache: str) -> dict:
 
     spec = json.dumps({"base": base, "calib": calib, "out": out, "cache": cache,
                        "args": {k: getattr(a, k) for k in ("config", "iters", "nsamples", "seqlen", "batch_size")}})
-    res = os.path.join(out + ".json")
+    res = out + ".json"
     env = {**os.environ, "QJAX_AUTOROUND_WORKER": spec, "QJAX_AUTOROUND_RESULT": res}
     subprocess.run([sys.executable, "-P", os.path.abspath(__file__)], env=env, check=True)
     with open(res, encoding="utf-8") as f:

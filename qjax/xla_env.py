@@ -6,10 +6,11 @@ set before the first computation (importing qjax before anything runs a JAX op i
   that is off by ~1e-2 absolute in float32 (op by op the same code is within 3e-6 of float64). Seen on the quantized
   ``in_proj_z`` → gated RMSNorm path at 4 × 257 tokens; dense models were unaffected.
   Measured 2026-12-04 (RESULTS.md, CPU prefill): ``individual_dot`` instead (YNNPACK for single dots, no fusions)
-  makes XLA:CPU's small matmuls 2–2.5× faster and float32-exact, and the ``mid`` prefill 1.66× faster, but a
-  bfloat16 model then fails at batch > 1 (``UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x
-  BF16 = F32``, jax 0.10.2 and 0.11.2: a dot YNNPACK declines is left in bf16 for XLA's own dot, which cannot run
-  it). So it is not the default; a float32 user can set it in ``XLA_FLAGS`` (a user's flag wins, below).
+  makes XLA:CPU's small matmuls 2–2.5× faster and float32-exact, and the ``mid`` prefill 1.66× faster (with the
+  scanned expert blocks tried that day), but a bfloat16 model then fails at batch > 1 (``UNIMPLEMENTED: Unsupported
+  element type for DotThunk::Execute: BF16 x BF16 = F32``, jax 0.10.2 and 0.11.2: apparently a dot YNNPACK declines
+  is left in bf16 for XLA's own dot, which cannot run it). So it is not the default; a float32 user can set it in
+  ``XLA_FLAGS`` (a user's flag wins, below).
 - ``--xla_cpu_multi_thread_eigen=false`` (CLI, tests, benchmarks only: a speed choice, not a correctness one).
   Multi-threaded Eigen was no faster for these model sizes on 2 cores (AutoRound on the built-in model: 123 s vs
   97 s) and its pool was once seen wedged on this machine.
