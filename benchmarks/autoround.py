@@ -188,12 +188,11 @@ def run_qjax_process(base: str, calib: str, out: str, a, cache: str) -> dict:
     script's own process is reused except through that cache."""
     import subprocess
 
-    spec = json.dumps({"base": base, "calib": calib, "out": out, "cache": cache,
-                       "args": {k: getattr(a, k) for k in ("config", "iters", "nsamples", "seqlen", "batch_size")}})
-    res = out + ".json"
-    env = {**os.environ, "QJAX_AUTOROUND_WORKER": spec, "QJAX_AUTOROUND_RESULT": res}
-    subprocess.run([sys.executable, "-P", os.path.abspath(__file__)], env=env, check=True)
-    with open(res, encoding="utf-8") as f:
+    spec = {"base": base, "calib": calib, "out": out, "cache": cache, "result": out + ".json",
+            "args": {k: getattr(a, k) for k in ("config", "iters", "nsamples", "seqlen", "batch_size")}}
+    subprocess.run([sys.executable, "-P", os.path.abspath(__file__)],
+                   env={**os.environ, "QJAX_AUTOROUND_WORKER": json.dumps(spec)}, check=True)
+    with open(spec["result"], encoding="utf-8") as f:
         return json.load(f)
 
 
@@ -204,7 +203,7 @@ def _worker() -> None:
     use_compile_cache(spec["cache"])
     a = argparse.Namespace(**spec["args"])
     r = run_qjax(spec["base"], spec["calib"], spec["out"], a)
-    with open(os.environ["QJAX_AUTOROUND_RESULT"], "w", encoding="utf-8") as f:
+    with open(spec["result"], "w", encoding="utf-8") as f:
         json.dump(r, f)
 
 
@@ -322,10 +321,9 @@ def report(runs: dict, mse: dict, a) -> str:
     for i, kind in enumerate(a.layer_kinds):
         first.setdefault(kind, i)
     rest = [i for i in range(min(len(ar0["block_s"]), len(qj0["block_s"]))) if i not in first.values()]
-    blocks_le = sum(1 for x, y in zip(qj0["block_s"], ar0["block_s"]) if x <= TARGET * y)
-    blocks_le_w = sum(1 for x, y in zip(qw0["block_s"], ar0["block_s"]) if x <= TARGET * y)
-    lines += ["", f"Blocks at ≤ {TARGET}× auto-round's time: {blocks_le} of {len(ar0['block_s'])} cold, "
-                  f"{blocks_le_w} warm."]
+    met = [sum(1 for x, y in zip(q["block_s"], ar0["block_s"]) if x <= TARGET * y) for q in (qj0, qw0)]
+    lines += ["", f"Blocks at ≤ {TARGET}× auto-round's time: {met[0]} of {len(ar0['block_s'])} cold, "
+                  f"{met[1]} warm."]
     if rest:
         ar_rest, qj_rest = sum(ar0["block_s"][i] for i in rest), sum(qj0["block_s"][i] for i in rest)
         lines += ["", f"Without the blocks that compile (qjax's first block of each layer kind: "

@@ -19,7 +19,6 @@ import argparse
 import concurrent.futures as cf
 import itertools
 import os
-import statistics
 import sys
 import time
 
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import SCHEMES, make_weight, nbytes  # noqa: E402  (benchmarks/kernels.py)
+from kernels import make_weight, nbytes, timeit  # noqa: E402  (benchmarks/kernels.py)
 from qjax.kernels import qmatmul_pallas as qp  # noqa: E402
 from qjax.kernels.qmatmul_reference import qmatmul as ref_qmatmul  # noqa: E402
 
@@ -48,13 +47,8 @@ def loop(fn, inner: int):
 
 
 def timed(compiled, args, repeats: int, inner: int) -> float:
-    jax.block_until_ready(compiled(*args))
-    runs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        runs.append((time.perf_counter() - t) / inner)
-    return statistics.median(runs)
+    """Seconds per chained call: kernels.py's median of ``repeats`` host-timed programs ÷ ``inner``."""
+    return timeit(compiled, *args, repeats=repeats) / inner
 
 
 def configs(meta, n: int, k: int, interpret: bool):
@@ -114,14 +108,12 @@ def main(argv=None) -> int:
             cfgs.append(default)
 
         def build(cfg, stack=1):
-            fn = lambda x, p, s: qp.qmatmul_pallas(x, p, s, None, meta, interpret=interpret, config=cfg)  # noqa
-            args = (x, packed, scale)
-            if stack > 1:
-                ps = jnp.broadcast_to(packed, (stack, *packed.shape))
-                ss = jnp.broadcast_to(scale, (stack, *scale.shape))
-                fn = lambda x, p, s: qp.qmatmul_pallas(x, p, s, None, meta, interpret=interpret, config=cfg,  # noqa
-                                                       layer=jnp.int32(stack // 2))
-                args = (x, ps, ss)
+            """The looped program of ``cfg``; ``stack > 1``: the weight read in place from a stack of that depth."""
+            layer = jnp.int32(stack // 2) if stack > 1 else None
+            fn = lambda x, p, s: qp.qmatmul_pallas(x, p, s, None, meta, interpret=interpret, config=cfg,  # noqa
+                                                   layer=layer)
+            w = (packed, scale)
+            args = (x, *(w if stack == 1 else (jnp.broadcast_to(v, (stack, *v.shape)) for v in w)))
             return loop(fn, a.inner).lower(*args).compile(), args
 
         t0 = time.perf_counter()
@@ -146,7 +138,8 @@ def main(argv=None) -> int:
         if bad:
             rc = 1
             print(f"CHECK FAILED: {len(bad)} configs, e.g. {bad[0][1]} err {bad[0][2]:.2e}")
-        print(f"{'bn':>4} {'bk':>5} {'split':>5} {'warps':>5} {'stages':>6} {'µs':>8} {'%copyBW':>8} {'max rel err':>11}")
+        print(f"{'bn':>4} {'bk':>5} {'split':>5} {'warps':>5} {'stages':>6} {'µs':>8} {'%copyBW':>8} "
+              f"{'max rel err':>11}")
         shown = rows[:a.top] + [r for r in rows if r[1] == default and r not in rows[:a.top]]
         for t, c, err in shown:
             mark = "  ← choose_config" if c == default else ""
