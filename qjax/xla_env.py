@@ -1,16 +1,18 @@
 """XLA:CPU flags qjax relies on. They are read once, when JAX starts its CPU backend, so they only take effect when
 set before the first computation (importing qjax before anything runs a JAX op is enough).
 
-- ``--xla_cpu_experimental_ynn_fusion_type=`` (empty: no YNNPACK fusions, and no YNNPACK dots). With 1024 or more
-  rows, XLA:CPU (jax 0.10–0.11) fuses a quantized layer's dequantize + matmul + what follows into one YNNPACK fusion
-  that is off by ~1e-2 absolute in float32 (op by op the same code is within 3e-6 of float64). Seen on the quantized
-  ``in_proj_z`` → gated RMSNorm path at 4 × 257 tokens; dense models were unaffected.
-  Measured 2026-12-04 (RESULTS.md, CPU prefill): ``individual_dot`` instead (YNNPACK for single dots, no fusions)
-  makes XLA:CPU's small matmuls 2–2.5× faster and float32-exact, and the ``mid`` prefill 1.66× faster (with the
-  scanned expert blocks tried that day), but a bfloat16 model then fails at batch > 1 (``UNIMPLEMENTED: Unsupported
-  element type for DotThunk::Execute: BF16 x BF16 = F32``, jax 0.10.2 and 0.11.2: apparently a dot YNNPACK declines
-  is left in bf16 for XLA's own dot, which cannot run it). So it is not the default; a float32 user can set it in
-  ``XLA_FLAGS`` (a user's flag wins, below).
+- ``--xla_cpu_experimental_ynn_fusion_type=individual_dot``: YNNPACK runs single dots, and no YNNPACK fusions are
+  formed. The fusions are off for correctness: with 1024 or more rows, XLA:CPU (jax 0.10–0.11) fused a quantized
+  layer's dequantize + matmul + what follows into one YNNPACK fusion that was off by ~1e-2 absolute in float32 (op by
+  op the same code is within 3e-6 of float64; seen on the quantized ``in_proj_z`` → gated RMSNorm path at 4 × 257
+  tokens). The single dots are on for speed: XLA:CPU's own small matmuls are 2–2.5× slower (a [64, 512] × [512, 512]
+  float32 product 0.66 ms against numpy's 0.21 ms) and the ``mid`` prefill was 1.4–2× faster with them (RESULTS.md,
+  CPU prefill); float32 results stay as close to float64 as before.
+  One condition: every bfloat16 dot must be one YNNPACK takes. XLA's own dot thunk cannot run bf16 × bf16 → f32, and
+  with this flag XLA no longer rewrites such a dot for it, so a dot YNNPACK declines fails at run time
+  (``UNIMPLEMENTED: Unsupported element type for DotThunk::Execute``). The one seen was attention's
+  probabilities × values with a transposed result layout (batch > 1); qjax writes that product batch-major
+  (``qjax.model.qwen3_5_moe.attention``), and the bf16 tests run every model path at batch > 1 under this flag.
 - ``--xla_cpu_multi_thread_eigen=false`` (CLI, tests, benchmarks only: a speed choice, not a correctness one).
   Multi-threaded Eigen was no faster for these model sizes on 2 cores (AutoRound on the built-in model: 123 s vs
   97 s) and its pool was once seen wedged on this machine.
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import os
 
-CORRECTNESS_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+CORRECTNESS_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "individual_dot"}
 SPEED_FLAGS = {"xla_cpu_multi_thread_eigen": "false"}
 
 

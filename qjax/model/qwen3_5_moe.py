@@ -136,8 +136,8 @@ def attention(q, k, v, ctx: StepContext) -> jnp.ndarray:
     # a finite minimum (not -inf) keeps fully masked rows (queries at left pads) NaN-free
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(acc).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    o = jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=precision, preferred_element_type=acc)
-    return o.astype(q.dtype).reshape(b, t, hq, d)
+    o = jnp.einsum("bkgts,bksd->bkgtd", probs, v, precision=precision, preferred_element_type=acc)
+    return o.astype(q.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
