@@ -1,10 +1,11 @@
 """Plain-JAX reference of the routed-expert computation (dense or quantized experts), the oracle of the Pallas
 MoE kernels.
 
-Two ways, picked statically from the number of token-slots ``N·k``:
+Two ways, picked statically from the number of token-slots ``N·k`` (:func:`routed_experts`):
 - *gather* (decode): fetch the k expert matrices each token needs — reads only those weights;
-- *grouped* (prefill): sort token-slots by expert and run ``ragged_dot`` — one grouped matmul per projection.
-Both contract the weights in their stored ``[out, in]`` layout, so no transposed copy of the experts is made.
+- *blocked* (prefill): sort token-slots by expert into expert-aligned row blocks, one block per scan step.
+A third, *grouped* (sort, then ``ragged_dot``), is the plain-XLA baseline the benchmarks compare with. All contract
+the weights in their stored ``[out, in]`` layout, so no transposed copy of the experts is made.
 """
 
 from __future__ import annotations
@@ -83,17 +84,18 @@ def experts_grouped(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     return jnp.zeros((n, x.shape[1]), acc_dtype).at[token].add(out * w_sorted[:, None])
 
 
-def experts_blocked(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_experts: int):
-    """Routed experts as a batched matmul over fixed-size row blocks, each block owned by one expert.
+def _block_layout(idx: jnp.ndarray, num_experts: int):
+    """Expert-aligned row blocks (vLLM's ``moe_align_block_size``): token-slots sorted by expert, each expert's run
+    padded to a whole number of ``block`` rows.
 
-    Token-slots are sorted by expert and each expert's run padded to a multiple of the block height (vLLM's
-    ``moe_align_block_size``); every block gathers its expert's matrices once. On CPU this is ~6× faster than
-    ``ragged_dot`` (which XLA:CPU runs as a dense loop) — same contract as :func:`experts_gather`.
+    Returns ``(rows [nb·block], blk_expert [nb], used)``: the token-slot of each row (−1: padding), the expert owning
+    each block, and how many leading blocks hold rows (int32 scalar). ``nb`` is a static bound (every expert may leave
+    a partial block); the blocks past ``used`` are empty.
     """
     n, k = idx.shape
     s = n * k
     block = int(min(128, max(8, 1 << max(0, (-(-s // num_experts) - 1).bit_length()))))
-    nb = (s + num_experts * (block - 1)) // block  # static bound on the number of blocks
+    nb = (s + num_experts * (block - 1)) // block
     flat = idx.reshape(-1)
     flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # dropped slots: sorted last, no row
     order = jnp.argsort(flat, stable=True)
@@ -107,24 +109,118 @@ def experts_blocked(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     dest = jnp.where(e_sorted < num_experts, starts[e_safe] + jnp.arange(s) - first[e_safe], nb * block)
     rows = jnp.full((nb * block,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
     blk_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * block, side="right"), num_experts - 1)
+    return rows, blk_expert.astype(jnp.int32), (ends[-1] // block).astype(jnp.int32)
+
+
+def _swiglu_block(xb, w_gu, w_dn):
+    """One expert on a block of rows: ``xb [T, H]``, ``w_gu [2I, H]``, ``w_dn [H, I]`` → ``[T, H]`` (accum dtype)."""
+    gu = _dot_out_in(xb, w_gu, "th,oh->to").astype(xb.dtype)
+    inter = gu.shape[-1] // 2
+    act = (silu(gu[:, :inter]) * gu[:, inter:]).astype(xb.dtype)
+    return _dot_out_in(act, w_dn, "ti,hi->th")
+
+
+def _scan_blocks(x, token, blk_expert, used, gate_up: WeightFn, down: WeightFn):
+    """``[nb·block, H]``: block b's rows ``x[token[b·block:(b+1)·block]]`` through expert ``blk_expert[b]``, one block
+    per scan step; a ``lax.cond`` skips the blocks past ``used`` (zeros)."""
+    nb = blk_expert.shape[0]
+    block, h = token.shape[0] // nb, x.shape[1]
+
+    def run(b):
+        e = blk_expert[b]
+        return _swiglu_block(x[jax.lax.dynamic_slice_in_dim(token, b * block, block)], gate_up(e), down(e))
+
+    def step(carry, b):
+        return carry, jax.lax.cond(b < used, run, lambda b: jnp.zeros((block, h), accum_dtype(x.dtype)), b)
+
+    return jax.lax.scan(step, None, jnp.arange(nb, dtype=jnp.int32))[1].reshape(nb * block, h)
+
+
+@jax.custom_vjp
+def _scan_blocks_dense(x, token, blk_expert, used, w_gu, w_dn):
+    """:func:`_scan_blocks` for dense stacks ``w_gu [E, 2I, H]``, ``w_dn [E, H, I]`` (each step reads its expert as
+    a view), with its own backward pass. JAX's derivative of the scan adds each step's weight gradient into a zero
+    ``[E, 2I, H]`` stack and sums the stacks (cost ∝ blocks × E: an AutoRound iteration of the ``mid`` layer at 32
+    experts took 993 instead of 551 ms); here a loop over the used blocks adds each block's gradient into its
+    expert's slice in place, and the other blocks cost nothing."""
+    return _scan_blocks(x, token, blk_expert, used, lambda e: w_gu[e], lambda e: w_dn[e])
+
+
+def _scan_blocks_dense_fwd(x, token, blk_expert, used, w_gu, w_dn):
+    return _scan_blocks_dense(x, token, blk_expert, used, w_gu, w_dn), (x, token, blk_expert, used, w_gu, w_dn)
+
+
+def _scan_blocks_dense_bwd(res, g):
+    x, token, blk_expert, used, w_gu, w_dn = res
+    nb = blk_expert.shape[0]
+    block, h = token.shape[0] // nb, x.shape[1]
+    acc = accum_dtype(x.dtype)
+    g = g.reshape(nb, block, h)
+
+    def body(b, carry):
+        d_gu, d_dn, dxs = carry
+        e = blk_expert[b]
+        w_gu_e, w_dn_e = (jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in (w_gu, w_dn))
+        rows = jax.lax.dynamic_slice_in_dim(token, b * block, block)
+        _, vjp = jax.vjp(_swiglu_block, x[rows], w_gu_e, w_dn_e)
+        dxb, dgu_e, ddn_e = vjp(jax.lax.dynamic_index_in_dim(g, b, keepdims=False))
+
+        def add(d, v):
+            cur = jax.lax.dynamic_index_in_dim(d, e, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(d, cur + v.astype(acc), e, 0)
+
+        return add(d_gu, dgu_e), add(d_dn, ddn_e), jax.lax.dynamic_update_index_in_dim(dxs, dxb.astype(acc), b, 0)
+
+    # a while loop over the used blocks only (reverse mode never differentiates this backward pass)
+    init = (jnp.zeros(w_gu.shape, acc), jnp.zeros(w_dn.shape, acc), jnp.zeros((nb, block, h), acc))
+    d_gu, d_dn, dxs = jax.lax.fori_loop(0, used, body, init)
+    dx = jnp.zeros(x.shape, acc).at[token].add(dxs.reshape(nb * block, h)).astype(x.dtype)
+    return dx, None, None, None, d_gu.astype(w_gu.dtype), d_dn.astype(w_dn.dtype)
+
+
+_scan_blocks_dense.defvjp(_scan_blocks_dense_fwd, _scan_blocks_dense_bwd)
+
+
+def experts_blocked(x, idx, weights, gate_up: WeightFn | jnp.ndarray, down: WeightFn | jnp.ndarray,
+                    num_experts: int):
+    """Routed experts over fixed-size row blocks, each block owned by one expert, one block per scan step.
+
+    Token-slots are sorted by expert into expert-aligned blocks (:func:`_block_layout`); a ``lax.scan`` visits the
+    blocks, each step slicing its expert's matrices (a view; quantized experts are dequantized one at a time) for two
+    ``[block, ·]`` matmuls, and only the blocks holding rows are computed. So the cost follows the routed token-slots,
+    not the expert count, and no ``[blocks, 2I, H]`` copy of gathered weights is made (the batched form of the same
+    blocks took 76 vs 43 ms for one MoE layer at 512 tokens × 32 experts on CPU; RESULTS.md, issue 24). On CPU this
+    is also much faster than ``ragged_dot`` (which XLA:CPU runs as a dense loop). Same contract as
+    :func:`experts_gather`; ``gate_up``/``down`` may also be the dense ``[E, …]`` stacks themselves, which makes the
+    weights' gradient cost ∝ routed rows too (:func:`_scan_blocks_dense`).
+    """
+    n, k = idx.shape
+    rows, blk_expert, used = _block_layout(idx, num_experts)
     valid = rows >= 0
     token = jnp.where(valid, rows // k, 0)
-    xs = x[token].reshape(nb, block, x.shape[1])
-    gu = _dot_out_in(xs, gate_up(blk_expert), "bth,boh->bto").astype(x.dtype)
-    inter = gu.shape[-1] // 2
-    act = (silu(gu[..., :inter]) * gu[..., inter:]).astype(x.dtype)
-    out = _dot_out_in(act, down(blk_expert), "bti,bhi->bth").reshape(nb * block, x.shape[1])
+    if callable(gate_up) or callable(down):
+        out = _scan_blocks(x, token, blk_expert, used, as_weight_fn(gate_up), as_weight_fn(down))
+    else:
+        out = _scan_blocks_dense(x, token, blk_expert, used, gate_up, down)
     acc_dtype = accum_dtype(x.dtype)
     w = jnp.where(valid, weights.reshape(-1)[jnp.maximum(rows, 0)].astype(acc_dtype), 0.0)
     return jnp.zeros((n, x.shape[1]), acc_dtype).at[token].add(out * w[:, None])
 
 
-def routed_experts(x, idx, weights, gate_up: WeightFn, down: WeightFn, *, num_experts: int):
+def as_weight_fn(w: WeightFn | jnp.ndarray) -> WeightFn:
+    """A :data:`WeightFn` of a dense ``[E, out, in]`` stack (a WeightFn is returned as it is)."""
+    if callable(w):
+        return w
+    return lambda sel: w if sel is None else w[sel]
+
+
+def routed_experts(x, idx, weights, gate_up: WeightFn | jnp.ndarray, down: WeightFn | jnp.ndarray, *,
+                   num_experts: int):
     """Dispatch on the static token count: gather when the token-slots touch fewer matrices than exist, else
     expert-aligned blocks. An id outside ``[0, num_experts)`` drops its slot (adds nothing): expert parallelism
-    passes the experts of other devices so."""
+    passes the experts of other devices so. ``gate_up``/``down``: :data:`WeightFn` s or dense ``[E, …]`` stacks."""
     if idx.shape[0] * idx.shape[1] <= num_experts:
-        return experts_gather(x, idx, weights, gate_up, down, num_experts)
+        return experts_gather(x, idx, weights, as_weight_fn(gate_up), as_weight_fn(down), num_experts)
     return experts_blocked(x, idx, weights, gate_up, down, num_experts)
 
 
@@ -144,8 +240,11 @@ def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, num_experts: in
     gu_meta: QuantMeta = gate_up[3]
     dn_meta: QuantMeta = down[3]
     num_experts = gate_up[0].shape[0] if num_experts is None else num_experts
-    gu = _layer_experts(gate_up[:3], gu_meta, num_experts, offset, x.dtype)
-    dn = _layer_experts(down[:3], dn_meta, num_experts, offset, x.dtype)
+    if gu_meta.fmt == dn_meta.fmt == "dense" and offset is None:
+        gu, dn = gate_up[0], down[0]  # the stacks themselves: their gradient then follows the routed rows too
+    else:
+        gu = _layer_experts(gate_up[:3], gu_meta, num_experts, offset, x.dtype)
+        dn = _layer_experts(down[:3], dn_meta, num_experts, offset, x.dtype)
     return routed_experts(x, idx, weights, gu, dn, num_experts=num_experts)
 
 
