@@ -27,7 +27,8 @@ Target (issues 5, 24): qjax ≤ 0.5× auto-round's time per block, cold and warm
 
     python benchmarks/autoround.py [--iters 50 --nsamples 32 --seqlen 256 --batch-size 8] [--repeats 1] [--no-write]
 
-Writes (replaces) the section ``## AutoRound: qjax vs auto-round (issue 5)`` of ``benchmarks/RESULTS.md``.
+Writes (replaces) the section ``## AutoRound: qjax vs auto-round (issue 5)`` of ``benchmarks/RESULTS.md`` (other
+configs: ``## AutoRound: qjax vs auto-round, `mid` config (issue 24)``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_speed import RESULTS, config_dict, write_section  # noqa: E402
 
 SECTION = "## AutoRound: qjax vs auto-round (issue 5)"
+
+
+def section(config: str) -> str:
+    """The RESULTS.md heading of a config's table (the built-in model's is issue 5's)."""
+    return SECTION if config == "default" else f"## AutoRound: qjax vs auto-round, `{config}` config (issue 24)"
 MODEL_TEXT = {"default": "the built-in trained model (qjax/assets/default, bf16), calibration windows of its calib.txt"}
 TARGET = 0.5
 RECIPES = {  # config → (group size of the 4-bit layers, group size of the 2-bit experts): groups must divide dims
@@ -272,7 +278,7 @@ def main() -> None:
     text = report(runs, mse, a)
     print(text)
     if not a.no_write:
-        write_section(text, section=SECTION)
+        write_section(text, section=section(a.config))
         print(f"wrote {RESULTS}")
 
 
@@ -290,7 +296,7 @@ def report(runs: dict, mse: dict, a) -> str:
     qw_t = statistics.median(r["total"] for r in runs["qjax-warm"])
     qw0 = runs["qjax-warm"][0]
     ratio, ratio_w = qj_t / ar_t, qw_t / ar_t
-    lines = [SECTION, "",
+    lines = [section(a.config), "",
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, {os.cpu_count()} CPU cores "
              f"(shared), {platform.python_version()}",
              f"- command: `python benchmarks/autoround.py {shlex.join(sys.argv[1:])}`",
