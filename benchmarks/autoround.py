@@ -53,15 +53,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_speed import RESULTS, config_dict, write_section  # noqa: E402
 
 SECTION = "## AutoRound: qjax vs auto-round (issue 5)"
+MODEL_TEXT = {"default": "the built-in trained model (qjax/assets/default, bf16), calibration windows of its calib.txt"}
+TARGET = 0.5
+RECIPES = {  # config → (group size of the 4-bit layers, group size of the 2-bit experts): groups must divide dims
+    "default": (64, 64), "mid": (128, 64), "tiny": (32, 32)}
 
 
 def section(config: str) -> str:
     """The RESULTS.md heading of a config's table (the built-in model's is issue 5's)."""
     return SECTION if config == "default" else f"## AutoRound: qjax vs auto-round, `{config}` config (issue 24)"
-MODEL_TEXT = {"default": "the built-in trained model (qjax/assets/default, bf16), calibration windows of its calib.txt"}
-TARGET = 0.5
-RECIPES = {  # config → (group size of the 4-bit layers, group size of the 2-bit experts): groups must divide dims
-    "default": (64, 64), "mid": (128, 64), "tiny": (32, 32)}
 
 
 def words(vocab: int) -> list[str]:

@@ -6,8 +6,8 @@ set before the first computation (importing qjax before anything runs a JAX op i
   layer's dequantize + matmul + what follows into one YNNPACK fusion that was off by ~1e-2 absolute in float32 (op by
   op the same code is within 3e-6 of float64; seen on the quantized ``in_proj_z`` → gated RMSNorm path at 4 × 257
   tokens). The single dots are on for speed: XLA:CPU's own small matmuls are 2–2.5× slower (a [64, 512] × [512, 512]
-  float32 product 0.66 ms against numpy's 0.21 ms) and the ``mid`` prefill was 1.35× (float32) to 2× (bfloat16) faster with them (RESULTS.md,
-  CPU prefill); float32 results stay as close to float64 as before.
+  float32 product 0.66 ms against numpy's 0.21 ms) and the ``mid`` prefill was 1.35× (float32) to 2× (bfloat16)
+  faster with them (RESULTS.md, CPU prefill); float32 results stay as close to float64 as before.
   One condition: every bfloat16 dot must be one YNNPACK takes. XLA's own dot thunk cannot run bf16 × bf16 → f32, and
   with this flag XLA no longer rewrites such a dot for it, so a dot YNNPACK declines fails at run time
   (``UNIMPLEMENTED: Unsupported element type for DotThunk::Execute``). The one seen was attention's

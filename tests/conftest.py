@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-# before JAX starts (see qjax/xla_env.py): single-threaded Eigen; YNNPACK single dots, no YNNPACK fusions (fp32 error ~1e-2)
+# before JAX starts (see qjax/xla_env.py): single-threaded Eigen; YNNPACK single dots, no YNNPACK fusions (fp32
+# error ~1e-2)
 import os  # noqa: E402
 
 from qjax import xla_env  # noqa: E402

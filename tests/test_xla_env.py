@@ -31,7 +31,6 @@ def test_compile_cache_dir_precedence(flag, environ, want):
     assert xla_env.compile_cache_dir(flag, environ=environ) == want
 
 
-
 _BF16_PROBE = """
 import numpy as np, jax.numpy as jnp, qjax
 from oracles.hf import tiny_text_config
