@@ -84,32 +84,51 @@ def experts_grouped(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     return jnp.zeros((n, x.shape[1]), acc_dtype).at[token].add(out * w_sorted[:, None])
 
 
-def _block_layout(idx: jnp.ndarray, num_experts: int):
-    """Expert-aligned row blocks (vLLM's ``moe_align_block_size``): token-slots sorted by expert, each expert's run
-    padded to a whole number of ``block`` rows.
+def _block_sizes(slots: int, num_experts: int) -> tuple[int, ...]:
+    """The row-block sizes of the blocked path, largest first: a power of two near the mean rows per expert
+    (8…128), then up to two halvings (not below 8). An expert's rows fill whole blocks of the largest size, and its
+    remainder (rounded up to the smallest size) one block of each smaller size it needs: padding stays below the
+    smallest size per expert, while most rows still go through the large, efficient matmuls. (With one size of 64 at
+    512 tokens × top-4 of 32 experts, 3,008 rows were computed for 2,048 routed; with 64/32/16, 2,304.)"""
+    block = int(min(128, max(8, 1 << max(0, (-(-slots // num_experts) - 1).bit_length()))))
+    return tuple(b for b in (block, block // 2, block // 4) if b >= 8)
 
-    Returns ``(rows [nb·block], blk_expert [nb], used)``: the token-slot of each row (−1: padding), the expert owning
-    each block, and how many leading blocks hold rows (int32 scalar). ``nb`` is a static bound (every expert may leave
-    a partial block); the blocks past ``used`` are empty.
+
+def _block_layout(idx: jnp.ndarray, num_experts: int) -> tuple[tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray], ...]:
+    """Expert-aligned row blocks (vLLM's ``moe_align_block_size``) in a few sizes (:func:`_block_sizes`): token-slots
+    sorted by expert; each expert's run, padded to a multiple of the smallest size, is cut into whole blocks of the
+    largest size and then at most one block of each smaller size.
+
+    Returns one ``(rows [nb·block], blk_expert [nb], used)`` per size: the token-slot of each row (−1: padding), the
+    expert owning each block, and how many leading blocks hold rows (int32 scalar). ``nb`` is a static bound; the
+    blocks past ``used`` are empty.
     """
     n, k = idx.shape
     s = n * k
-    block = int(min(128, max(8, 1 << max(0, (-(-s // num_experts) - 1).bit_length()))))
-    nb = (s + num_experts * (block - 1)) // block
+    sizes_b = _block_sizes(s, num_experts)
+    unit = sizes_b[-1]
     flat = idx.reshape(-1)
     flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # dropped slots: sorted last, no row
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts)
-    padded = (sizes + block - 1) // block * block
-    ends = jnp.cumsum(padded)
-    starts = ends - padded
-    first = jnp.cumsum(sizes) - sizes
     e_sorted = flat[order]
     e_safe = jnp.minimum(e_sorted, num_experts - 1)
-    dest = jnp.where(e_sorted < num_experts, starts[e_safe] + jnp.arange(s) - first[e_safe], nb * block)
-    rows = jnp.full((nb * block,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
-    blk_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * block, side="right"), num_experts - 1)
-    return rows, blk_expert.astype(jnp.int32), (ends[-1] // block).astype(jnp.int32)
+    local = jnp.arange(s) - (jnp.cumsum(sizes) - sizes)[e_safe]  # a slot's place in its expert's run
+    rest = (sizes + unit - 1) // unit * unit  # rows each expert still has to place, padding included
+    skip = jnp.zeros_like(sizes)  # rows of each expert's run placed in larger blocks
+    out = []
+    for i, block in enumerate(sizes_b):
+        take = rest // block * block if i == 0 else jnp.where(rest >= block, block, 0)
+        nb = (s + num_experts * (unit - 1)) // block if i == 0 else num_experts
+        ends = jnp.cumsum(take)
+        starts = ends - take
+        mine = (e_sorted < num_experts) & (local >= skip[e_safe]) & (local < skip[e_safe] + take[e_safe])
+        dest = jnp.where(mine, starts[e_safe] + local - skip[e_safe], nb * block)
+        rows = jnp.full((nb * block,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
+        blk_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * block, side="right"), num_experts - 1)
+        out.append((rows, blk_expert.astype(jnp.int32), (ends[-1] // block).astype(jnp.int32)))
+        rest, skip = rest - take, skip + take
+    return tuple(out)
 
 
 def _swiglu_block(xb, w_gu, w_dn):
@@ -120,62 +139,72 @@ def _swiglu_block(xb, w_gu, w_dn):
     return _dot_out_in(act, w_dn, "ti,hi->th")
 
 
-def _scan_blocks(x, token, blk_expert, used, gate_up: WeightFn, down: WeightFn):
-    """``[nb·block, H]``: block b's rows ``x[token[b·block:(b+1)·block]]`` through expert ``blk_expert[b]``, one block
-    per scan step; a ``lax.cond`` skips the blocks past ``used`` (zeros)."""
-    nb = blk_expert.shape[0]
-    block, h = token.shape[0] // nb, x.shape[1]
+Blocks = tuple[tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray], ...]  # per block size: (token, blk_expert, used)
 
-    def run(b):
-        e = blk_expert[b]
-        return _swiglu_block(x[jax.lax.dynamic_slice_in_dim(token, b * block, block)], gate_up(e), down(e))
 
-    def step(carry, b):
-        return carry, jax.lax.cond(b < used, run, lambda b: jnp.zeros((block, h), accum_dtype(x.dtype)), b)
+def _scan_blocks(x, blocks: Blocks, gate_up: WeightFn, down: WeightFn) -> tuple[jnp.ndarray, ...]:
+    """Per block size, ``[nb·block, H]``: block b's rows ``x[token[b·block:(b+1)·block]]`` through expert
+    ``blk_expert[b]``, one block per scan step; a ``lax.cond`` skips the blocks past ``used`` (zeros)."""
+    h = x.shape[1]
+    outs = []
+    for token, blk_expert, used in blocks:
+        nb = blk_expert.shape[0]
+        block = token.shape[0] // nb
 
-    return jax.lax.scan(step, None, jnp.arange(nb, dtype=jnp.int32))[1].reshape(nb * block, h)
+        def run(b, token=token, blk_expert=blk_expert, block=block):
+            e = blk_expert[b]
+            return _swiglu_block(x[jax.lax.dynamic_slice_in_dim(token, b * block, block)], gate_up(e), down(e))
+
+        def step(carry, b, used=used, run=run, block=block):
+            return carry, jax.lax.cond(b < used, run, lambda b: jnp.zeros((block, h), accum_dtype(x.dtype)), b)
+
+        outs.append(jax.lax.scan(step, None, jnp.arange(nb, dtype=jnp.int32))[1].reshape(nb * block, h))
+    return tuple(outs)
 
 
 @jax.custom_vjp
-def _scan_blocks_dense(x, token, blk_expert, used, w_gu, w_dn):
+def _scan_blocks_dense(x, blocks: Blocks, w_gu, w_dn):
     """:func:`_scan_blocks` for dense stacks ``w_gu [E, 2I, H]``, ``w_dn [E, H, I]`` (each step reads its expert as
     a view), with its own backward pass. JAX's derivative of the scan adds each step's weight gradient into a zero
     ``[E, 2I, H]`` stack and sums the stacks (cost ∝ blocks × E: an AutoRound iteration of the ``mid`` layer at 32
     experts took 993 instead of 551 ms); here a loop over the used blocks adds each block's gradient into its
     expert's slice in place, and the other blocks cost nothing."""
-    return _scan_blocks(x, token, blk_expert, used, lambda e: w_gu[e], lambda e: w_dn[e])
+    return _scan_blocks(x, blocks, lambda e: w_gu[e], lambda e: w_dn[e])
 
 
-def _scan_blocks_dense_fwd(x, token, blk_expert, used, w_gu, w_dn):
-    return _scan_blocks_dense(x, token, blk_expert, used, w_gu, w_dn), (x, token, blk_expert, used, w_gu, w_dn)
+def _scan_blocks_dense_fwd(x, blocks, w_gu, w_dn):
+    return _scan_blocks_dense(x, blocks, w_gu, w_dn), (x, blocks, w_gu, w_dn)
 
 
-def _scan_blocks_dense_bwd(res, g):
-    x, token, blk_expert, used, w_gu, w_dn = res
-    nb = blk_expert.shape[0]
-    block, h = token.shape[0] // nb, x.shape[1]
+def _scan_blocks_dense_bwd(res, gs):
+    x, blocks, w_gu, w_dn = res
+    h = x.shape[1]
     acc = accum_dtype(x.dtype)
-    g = g.reshape(nb, block, h)
+    d_gu, d_dn, dx = jnp.zeros(w_gu.shape, acc), jnp.zeros(w_dn.shape, acc), jnp.zeros(x.shape, acc)
+    for (token, blk_expert, used), g in zip(blocks, gs):
+        nb = blk_expert.shape[0]
+        block = token.shape[0] // nb
+        g = g.reshape(nb, block, h)
 
-    def body(b, carry):
-        d_gu, d_dn, dxs = carry
-        e = blk_expert[b]
-        w_gu_e, w_dn_e = (jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in (w_gu, w_dn))
-        rows = jax.lax.dynamic_slice_in_dim(token, b * block, block)
-        _, vjp = jax.vjp(_swiglu_block, x[rows], w_gu_e, w_dn_e)
-        dxb, dgu_e, ddn_e = vjp(jax.lax.dynamic_index_in_dim(g, b, keepdims=False))
+        def body(b, carry, token=token, blk_expert=blk_expert, g=g, block=block):
+            d_gu, d_dn, dxs = carry
+            e = blk_expert[b]
+            w_gu_e, w_dn_e = (jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in (w_gu, w_dn))
+            rows = jax.lax.dynamic_slice_in_dim(token, b * block, block)
+            _, vjp = jax.vjp(_swiglu_block, x[rows], w_gu_e, w_dn_e)
+            dxb, dgu_e, ddn_e = vjp(jax.lax.dynamic_index_in_dim(g, b, keepdims=False))
 
-        def add(d, v):
-            cur = jax.lax.dynamic_index_in_dim(d, e, keepdims=False)
-            return jax.lax.dynamic_update_index_in_dim(d, cur + v.astype(acc), e, 0)
+            def add(d, v):
+                cur = jax.lax.dynamic_index_in_dim(d, e, keepdims=False)
+                return jax.lax.dynamic_update_index_in_dim(d, cur + v.astype(acc), e, 0)
 
-        return add(d_gu, dgu_e), add(d_dn, ddn_e), jax.lax.dynamic_update_index_in_dim(dxs, dxb.astype(acc), b, 0)
+            return add(d_gu, dgu_e), add(d_dn, ddn_e), jax.lax.dynamic_update_index_in_dim(dxs, dxb.astype(acc), b, 0)
 
-    # a while loop over the used blocks only (reverse mode never differentiates this backward pass)
-    init = (jnp.zeros(w_gu.shape, acc), jnp.zeros(w_dn.shape, acc), jnp.zeros((nb, block, h), acc))
-    d_gu, d_dn, dxs = jax.lax.fori_loop(0, used, body, init)
-    dx = jnp.zeros(x.shape, acc).at[token].add(dxs.reshape(nb * block, h)).astype(x.dtype)
-    return dx, None, None, None, d_gu.astype(w_gu.dtype), d_dn.astype(w_dn.dtype)
+        # a while loop over the used blocks only (reverse mode never differentiates this backward pass); the weight
+        # gradients run through every block size's loop, so no second E-sized stack is summed
+        d_gu, d_dn, dxs = jax.lax.fori_loop(0, used, body, (d_gu, d_dn, jnp.zeros((nb, block, h), acc)))
+        dx = dx.at[token].add(dxs.reshape(nb * block, h))
+    return dx.astype(x.dtype), None, d_gu.astype(w_gu.dtype), d_dn.astype(w_dn.dtype)
 
 
 _scan_blocks_dense.defvjp(_scan_blocks_dense_fwd, _scan_blocks_dense_bwd)
@@ -183,28 +212,30 @@ _scan_blocks_dense.defvjp(_scan_blocks_dense_fwd, _scan_blocks_dense_bwd)
 
 def experts_blocked(x, idx, weights, gate_up: WeightFn | jnp.ndarray, down: WeightFn | jnp.ndarray,
                     num_experts: int):
-    """Routed experts over fixed-size row blocks, each block owned by one expert, one block per scan step.
+    """Routed experts over row blocks, each block owned by one expert, one block per scan step.
 
-    Token-slots are sorted by expert into expert-aligned blocks (:func:`_block_layout`); a ``lax.scan`` visits the
-    blocks, each step slicing its expert's matrices (a view; quantized experts are dequantized one at a time) for two
-    ``[block, ·]`` matmuls, and only the blocks holding rows are computed. So the cost follows the routed token-slots,
-    not the expert count, and no ``[blocks, 2I, H]`` copy of gathered weights is made (the batched form of the same
-    blocks took 76 vs 43 ms for one MoE layer at 512 tokens × 32 experts on CPU; RESULTS.md, issue 24). On CPU this
-    is also much faster than ``ragged_dot`` (which XLA:CPU runs as a dense loop). Same contract as
-    :func:`experts_gather`; ``gate_up``/``down`` may also be the dense ``[E, …]`` stacks themselves, which makes the
-    weights' gradient cost ∝ routed rows too (:func:`_scan_blocks_dense`).
+    Token-slots are sorted by expert into expert-aligned blocks of a few sizes (:func:`_block_layout`); a
+    ``lax.scan`` per size visits the blocks, each step slicing its expert's matrices (a view; quantized experts are
+    dequantized one at a time) for two ``[block, ·]`` matmuls, and only the blocks holding rows are computed. So the
+    cost follows the routed token-slots, not the expert count, and no ``[blocks, 2I, H]`` copy of gathered weights is
+    made (the batched form of the same blocks took 76 vs 43 ms for one MoE layer at 512 tokens × 32 experts on CPU;
+    RESULTS.md, issue 24). On CPU this is also much faster than ``ragged_dot`` (which XLA:CPU runs as a dense loop).
+    Same contract as :func:`experts_gather`; ``gate_up``/``down`` may also be the dense ``[E, …]`` stacks
+    themselves, which makes the weights' gradient cost ∝ routed rows too (:func:`_scan_blocks_dense`).
     """
     n, k = idx.shape
-    rows, blk_expert, used = _block_layout(idx, num_experts)
-    valid = rows >= 0
-    token = jnp.where(valid, rows // k, 0)
+    layout = _block_layout(idx, num_experts)
+    blocks = tuple((jnp.where(rows >= 0, rows // k, 0), blk_expert, used) for rows, blk_expert, used in layout)
     if callable(gate_up) or callable(down):
-        out = _scan_blocks(x, token, blk_expert, used, as_weight_fn(gate_up), as_weight_fn(down))
+        outs = _scan_blocks(x, blocks, as_weight_fn(gate_up), as_weight_fn(down))
     else:
-        out = _scan_blocks_dense(x, token, blk_expert, used, gate_up, down)
+        outs = _scan_blocks_dense(x, blocks, gate_up, down)
     acc_dtype = accum_dtype(x.dtype)
-    w = jnp.where(valid, weights.reshape(-1)[jnp.maximum(rows, 0)].astype(acc_dtype), 0.0)
-    return jnp.zeros((n, x.shape[1]), acc_dtype).at[token].add(out * w[:, None])
+    y = jnp.zeros((n, x.shape[1]), acc_dtype)
+    for (rows, _, _), (token, _, _), out in zip(layout, blocks, outs):
+        w = jnp.where(rows >= 0, weights.reshape(-1)[jnp.maximum(rows, 0)].astype(acc_dtype), 0.0)
+        y = y.at[token].add(out * w[:, None])
+    return y
 
 
 def as_weight_fn(w: WeightFn | jnp.ndarray) -> WeightFn:

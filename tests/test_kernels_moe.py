@@ -566,3 +566,34 @@ def test_blocked_gradient_of_dense_stacks(x64, n, experts, top_k, h, inter):
     for wrap in (lambda a: a, as_weight_fn):  # dense stacks (own backward); WeightFns (autodiff through the scan)
         for got, ref, name in zip(grads(experts_blocked, wrap), want, ("x", "weights", "gate_up", "down")):
             assert _rel_err(got, ref) <= 1e-12, name
+
+
+@pytest.mark.parametrize("n, experts, top_k", [(512, 32, 4), (37, 5, 2), (3, 8, 3), (300, 16, 8), (64, 256, 8)])
+def test_block_layout_places_every_slot_once(n, experts, top_k):
+    """The blocked path's layout: every routed slot in exactly one row, every row of a block routed to the block's
+    expert, no rows past ``used``, at most one block of each smaller size per expert, and fewer padding rows per
+    expert than the smallest block size (dropped slots, ids outside [0, E), get no row)."""
+    from qjax.kernels.moe_reference import _block_layout, _block_sizes
+
+    rng = np.random.default_rng(n + experts)
+    idx = np.argsort(rng.random((n, experts)), 1)[:, :top_k].astype(np.int32)
+    idx[0, 0], idx[-1, -1] = -1, experts + 2
+    flat = idx.reshape(-1)
+    sizes = _block_sizes(n * top_k, experts)
+    layout = jax.jit(_block_layout, static_argnums=1)(jnp.asarray(idx), experts)
+    assert len(layout) == len(sizes) and sizes[-1] >= 8
+    seen = np.zeros(flat.shape, int)
+    padding = np.zeros(experts, int)
+    for i, ((rows, blk_expert, used), block) in enumerate(zip(layout, sizes)):
+        rows, blk_expert, used = np.asarray(rows).reshape(-1, block), np.asarray(blk_expert), int(used)
+        assert np.all(rows[used:] == -1)
+        for b in range(used):
+            r = rows[b][rows[b] >= 0]
+            assert r.size and np.all(flat[r] == blk_expert[b])
+            np.add.at(seen, r, 1)
+            padding[blk_expert[b]] += block - r.size
+        if i:
+            assert np.all(np.bincount(blk_expert[:used], minlength=experts) <= 1)
+    valid = (flat >= 0) & (flat < experts)
+    np.testing.assert_array_equal(seen, valid.astype(int))
+    assert np.all(padding < sizes[-1])
