@@ -153,6 +153,7 @@ class AutoRound:
         self.reports: list[BlockReport] = []
         self.progress_dir, self.resume = progress_dir, resume
         self.fingerprint = fingerprint or {}
+        self._ctxs: dict[int, object] = {}
 
     # -- schemes ------------------------------------------------------------------------------------------------------
     def _all_linear_names(self) -> dict[str, tuple[int, int]]:
@@ -176,9 +177,11 @@ class AutoRound:
 
     # -- streams ------------------------------------------------------------------------------------------------------
     def _ctx(self, b: int):
-        t = self.ids.shape[1]
-        ctx, _ = self.model.step_context(jnp.zeros((b, t), jnp.int32), None, None, None)
-        return ctx
+        """The step context (RoPE tables, masks) of a ``[b, seqlen]`` batch, built once per batch size."""
+        if b not in self._ctxs:
+            t = self.ids.shape[1]
+            self._ctxs[b], _ = self.model.step_context(jnp.zeros((b, t), jnp.int32), None, None, None)
+        return self._ctxs[b]
 
     def _forward(self, layer, h: jnp.ndarray) -> jnp.ndarray:
         """``layer(h)`` over the whole stream, ``batch_size`` samples at a time."""
@@ -255,41 +258,30 @@ class AutoRound:
     def _quantize_block(self, i, layer, units, x_in, fp_out, imatrix):
         cfg = self.cfg
         weights = blocks.weights_of(layer)
-        consts, params = {}, {}
-        for u, s in units:
-            w = blocks.unit_weight(weights, u)
-            if _is_tunable(s):
-                wmin, wmax = weight_minmax(w, s.group_size)
-                c = {"wmin": wmin, "wmax": wmax}
-                if self._alg_ext_scale(s):
-                    c["init_scale"] = search_scales(w, imatrix.get(u.name), bits=s.bits, group_size=s.group_size)
-                consts[u.name] = c
-                params[u.name] = init_params(w, s.group_size)
+        # one program per block structure for the start and the end of a block (not op by op: on the first block of
+        # each kind that was ~700 small programs traced, lowered and compiled or loaded one by one)
+        tunable = tuple((u, s, self._alg_ext_scale(s)) for u, s in units if _is_tunable(s))
+        consts, params = _start_fn(tunable)(weights, imatrix)
         tune = cfg.iters > 0 and bool(params)
         stats = (None, None, None, None, None)
         if tune:
             params, stats = self._tune(i, layer, units, weights, consts, params, x_in, fp_out)
+        plan = tuple((u, s, "mxfp8" if s.is_mxfp8 else "opt_rtn" if self._opt_rtn(s, u) else "tuned",
+                      self._opt_rtn(s, u), self._alpha_max(s)) for u, s in units)
+        codes = jax.device_get(_end_fn(plan, cfg.scale_dtype)(weights, params, consts, imatrix))
         out: dict[str, UnitResult] = {}
         for u, s in units:
-            w = blocks.unit_weight(weights, u)
+            k = u.shape[1]
             if s.is_mxfp8:
-                im = imatrix.get(u.name) if self._opt_rtn(s, u) else None
-                values, scale, _ = quantize_mxfp8(w, im)
-                out[u.name] = UnitResult(s, np.asarray(values), np.asarray(scale), w.shape[-1])
+                values, scale = codes[u.name]
+                out[u.name] = UnitResult(s, np.asarray(values), np.asarray(scale), k)
                 continue
-            if self._opt_rtn(s, u):
-                # auto-round's optimized RTN: imatrix-weighted scale search, one-shot rounding
-                _, scale, q = opt_rtn_int_sym(w, imatrix.get(u.name), bits=s.bits, group_size=s.group_size)
-                zp = None
-            else:
-                p = clamp_minmax(params, self._alpha_max(s))[u.name]
-                _, scale, zp, q = _qdq(w, p, consts[u.name], s, cfg)
+            q, scale, zp = codes[u.name]
             q = np.asarray(q, np.int32)
             if zp is not None:  # auto-round's unsigned codes → compressed-tensors' signed ones (same q − zp)
                 q = q - (1 << (s.bits - 1))
                 zp = (np.asarray(zp, np.int32) - (1 << (s.bits - 1))).astype(np.int8)
-            out[u.name] = UnitResult(s, pack_int32(q, s.bits), np.asarray(scale, np.float32), w.shape[-1], zp,
-                                     cfg.scale_dtype)
+            out[u.name] = UnitResult(s, pack_int32(q, s.bits), np.asarray(scale, np.float32), k, zp, cfg.scale_dtype)
         return out, stats
 
     def _alpha_max(self, s: Scheme) -> float:
@@ -398,6 +390,55 @@ class AutoRound:
     def quantized_model(self):
 
         return build_quantized_model(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _start_fn(tunable: tuple):
+    """The jitted start of a block (cached per block structure): ``(weights, imatrix) → (consts, params)`` for each
+    tunable unit of ``tunable = ((unit, scheme, alg_ext scale search), …)`` — its frozen per-group range (and, with
+    alg_ext, the searched initial scale) and its rounding parameters at auto-round's start."""
+
+    @jax.jit
+    def start(weights, imatrix):
+        consts, params = {}, {}
+        for u, s, search in tunable:
+            w = blocks.unit_weight(weights, u)
+            wmin, wmax = weight_minmax(w, s.group_size)
+            consts[u.name] = {"wmin": wmin, "wmax": wmax}
+            if search:
+                consts[u.name]["init_scale"] = search_scales(w, imatrix.get(u.name), bits=s.bits,
+                                                             group_size=s.group_size)
+            params[u.name] = init_params(w, s.group_size)
+        return consts, params
+
+    return start
+
+
+@functools.lru_cache(maxsize=64)
+def _end_fn(plan: tuple, scale_dtype: str):
+    """The jitted end of a block (cached per block structure): ``(weights, params, consts, imatrix) → {unit: codes}``
+    for ``plan = ((unit, scheme, how, uses imatrix, alpha_max), …)``: ``(q, scale, zp or None)`` of a tuned unit
+    (its clamped parameters' quantize-dequantize) or of auto-round's optimized RTN (imatrix-weighted scale search,
+    one-shot rounding); ``(values, scale)`` of an MXFP8 unit."""
+    qcfg = AutoRoundConfig(scale_dtype=scale_dtype)
+
+    @jax.jit
+    def end(weights, params, consts, imatrix):
+        out = {}
+        for u, s, how, uses_imatrix, alpha_max in plan:
+            w = blocks.unit_weight(weights, u)
+            im = imatrix.get(u.name) if uses_imatrix else None
+            if how == "mxfp8":
+                out[u.name] = quantize_mxfp8(w, im)[:2]
+            elif how == "opt_rtn":
+                _, scale, q = opt_rtn_int_sym(w, im, bits=s.bits, group_size=s.group_size)
+                out[u.name] = (q, scale, None)
+            else:
+                _, scale, zp, q = _qdq(w, clamp_minmax(params[u.name], alpha_max), consts[u.name], s, qcfg)
+                out[u.name] = (q, scale, zp)
+        return out
+
+    return end
 
 
 @functools.lru_cache(maxsize=16)
