@@ -119,7 +119,9 @@ def _block_layout(idx: jnp.ndarray, num_experts: int) -> tuple[tuple[jnp.ndarray
     out = []
     for i, block in enumerate(sizes_b):
         take = rest // block * block if i == 0 else jnp.where(rest >= block, block, 0)
-        nb = (s + num_experts * (unit - 1)) // block if i == 0 else num_experts
+        # a static bound (at least one block, so every scan has a step: with one expert and 17–24 slots no expert
+        # fills a 32-row block)
+        nb = max(1, (s + num_experts * (unit - 1)) // block) if i == 0 else num_experts
         ends = jnp.cumsum(take)
         starts = ends - take
         mine = (e_sorted < num_experts) & (local >= skip[e_safe]) & (local < skip[e_safe] + take[e_safe])

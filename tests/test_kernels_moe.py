@@ -539,7 +539,8 @@ def test_expert_group_in_stack(impl, n):
         assert _rel_err(got, want) <= (1e-6 if impl != "interpret" else F32_TOL), (impl, g)
 
 
-@pytest.mark.parametrize("n, experts, top_k, h, inter", [(37, 5, 2, 24, 12), (200, 32, 4, 64, 32), (3, 8, 3, 16, 8)])
+@pytest.mark.parametrize("n, experts, top_k, h, inter", [(37, 5, 2, 24, 12), (200, 32, 4, 64, 32), (3, 8, 3, 16, 8),
+                                                      (20, 1, 1, 16, 8)])
 def test_blocked_gradient_of_dense_stacks(x64, n, experts, top_k, h, inter):
     """The blocked path's own backward pass for dense expert stacks (weight gradients added into each block's expert
     in place) equals JAX's autodiff of the grouped ``ragged_dot`` path, for x, the routing weights and both stacks —
@@ -568,7 +569,8 @@ def test_blocked_gradient_of_dense_stacks(x64, n, experts, top_k, h, inter):
             assert _rel_err(got, ref) <= 1e-12, name
 
 
-@pytest.mark.parametrize("n, experts, top_k", [(512, 32, 4), (37, 5, 2), (3, 8, 3), (300, 16, 8), (64, 256, 8)])
+@pytest.mark.parametrize("n, experts, top_k", [(512, 32, 4), (37, 5, 2), (3, 8, 3), (300, 16, 8), (64, 256, 8),
+                                              (20, 1, 1)])
 def test_block_layout_places_every_slot_once(n, experts, top_k):
     """The blocked path's layout: every routed slot in exactly one row, every row of a block routed to the block's
     expert, no rows past ``used``, at most one block of each smaller size per expert, and fewer padding rows per

@@ -118,17 +118,20 @@ def test_official_layout_files(official_dir: str, tiny_hf: tuple[torch.nn.Module
 
 
 def test_official_layout_loads_faithfully(official_dir: str, tiny_hf: tuple[torch.nn.Module, str]) -> None:
-    """Both transformers classes read the rewritten folder back to the exact same logits (docs/model.md §6.2)."""
-    model, _ = tiny_hf
+    """Both transformers classes read the rewritten folder back to the exact same logits as the per-expert folder it
+    was written from (docs/model.md §6.2). The reference is that folder reloaded, not the in-memory model: a reload
+    differs from the model that was saved by up to 1.1e-6 on this 2-core AMD host (the same for both layouts, so
+    something transformers recomputes on load, not the weights), while the two reloads agree bit for bit."""
+    _, folder = tiny_hf
     ids = _prompt(512)
-    ref = hf_logits(model, ids)
+    ref = hf_logits(Qwen3_5MoeForCausalLM.from_pretrained(folder, attn_implementation="eager").eval(), ids)
     for cls in (Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM):
         loaded, info = cls.from_pretrained(official_dir, attn_implementation="eager", output_loading_info=True)
         assert not info["missing_keys"], (cls.__name__, info["missing_keys"])
         assert not info["mismatched_keys"], (cls.__name__, info["mismatched_keys"])
         got = hf_logits(loaded.eval(), ids)
         assert got.dtype == np.float32 and got.shape == (2, 77, 512)
-        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6, err_msg=cls.__name__)
+        np.testing.assert_array_equal(got, ref, err_msg=cls.__name__)
 
 
 def test_official_layout_variants(tiny_hf: tuple[torch.nn.Module, str], tmp_path: Path) -> None:
