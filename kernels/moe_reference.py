@@ -153,11 +153,12 @@ def _scan_blocks(x, blocks: Blocks, gate_up: WeightFn, down: WeightFn) -> tuple[
         nb = blk_expert.shape[0]
         block = token.shape[0] // nb
 
-        def run(b, token=token, blk_expert=blk_expert, block=block):
+        # (the closures below are traced at once, inside this iteration: no late binding of the loop variables)
+        def run(b):
             e = blk_expert[b]
             return _swiglu_block(x[jax.lax.dynamic_slice_in_dim(token, b * block, block)], gate_up(e), down(e))
 
-        def step(carry, b, used=used, run=run, block=block):
+        def step(carry, b):
             return carry, jax.lax.cond(b < used, run, lambda b: jnp.zeros((block, h), accum_dtype(x.dtype)), b)
 
         outs.append(jax.lax.scan(step, None, jnp.arange(nb, dtype=jnp.int32))[1].reshape(nb * block, h))
@@ -188,7 +189,7 @@ def _scan_blocks_dense_bwd(res, gs):
         block = token.shape[0] // nb
         g = g.reshape(nb, block, h)
 
-        def body(b, carry, token=token, blk_expert=blk_expert, g=g, block=block):
+        def body(b, carry):
             d_gu, d_dn, dxs = carry
             e = blk_expert[b]
             w_gu_e, w_dn_e = (jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in (w_gu, w_dn))

@@ -266,8 +266,7 @@ class AutoRound:
         stats = (None, None, None, None, None)
         if tune:
             params, stats = self._tune(i, layer, units, weights, consts, params, x_in, fp_out)
-        plan = tuple((u, s, "mxfp8" if s.is_mxfp8 else "opt_rtn" if self._opt_rtn(s, u) else "tuned",
-                      self._opt_rtn(s, u), self._alpha_max(s)) for u, s in units)
+        plan = tuple((u, s, self._opt_rtn(s, u), self._alpha_max(s)) for u, s in units)
         codes = jax.device_get(_end_fn(plan, cfg.scale_dtype)(weights, params, consts, imatrix))
         out: dict[str, UnitResult] = {}
         for u, s in units:
@@ -417,21 +416,20 @@ def _start_fn(tunable: tuple):
 @functools.lru_cache(maxsize=64)
 def _end_fn(plan: tuple, scale_dtype: str):
     """The jitted end of a block (cached per block structure): ``(weights, params, consts, imatrix) → {unit: codes}``
-    for ``plan = ((unit, scheme, how, uses imatrix, alpha_max), …)``: ``(q, scale, zp or None)`` of a tuned unit
-    (its clamped parameters' quantize-dequantize) or of auto-round's optimized RTN (imatrix-weighted scale search,
-    one-shot rounding); ``(values, scale)`` of an MXFP8 unit."""
+    for ``plan = ((unit, scheme, opt-RTN, alpha_max), …)``: ``(values, scale)`` of an MXFP8 unit (imatrix-weighted
+    under opt-RTN); ``(q, scale, None)`` of auto-round's optimized RTN (imatrix-weighted scale search, one-shot
+    rounding); else ``(q, scale, zp or None)`` of the clamped parameters' quantize-dequantize."""
     qcfg = AutoRoundConfig(scale_dtype=scale_dtype)
 
     @jax.jit
     def end(weights, params, consts, imatrix):
         out = {}
-        for u, s, how, uses_imatrix, alpha_max in plan:
+        for u, s, opt_rtn, alpha_max in plan:
             w = blocks.unit_weight(weights, u)
-            im = imatrix.get(u.name) if uses_imatrix else None
-            if how == "mxfp8":
-                out[u.name] = quantize_mxfp8(w, im)[:2]
-            elif how == "opt_rtn":
-                _, scale, q = opt_rtn_int_sym(w, im, bits=s.bits, group_size=s.group_size)
+            if s.is_mxfp8:
+                out[u.name] = quantize_mxfp8(w, imatrix.get(u.name) if opt_rtn else None)[:2]
+            elif opt_rtn:
+                _, scale, q = opt_rtn_int_sym(w, imatrix.get(u.name), bits=s.bits, group_size=s.group_size)
                 out[u.name] = (q, scale, None)
             else:
                 _, scale, zp, q = _qdq(w, clamp_minmax(params[u.name], alpha_max), consts[u.name], s, qcfg)
