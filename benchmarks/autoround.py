@@ -204,8 +204,11 @@ def run_qjax_process(base: str, calib: str, out: str, a, cache: str) -> dict:
 
 def _worker() -> None:
     spec = json.loads(os.environ["QJAX_AUTOROUND_WORKER"])
-    from qjax.autoround.api import use_compile_cache
+    from qjax import xla_env
+    from qjax.autoround.api import use_compile_cache, use_cpu_devices
 
+    xla_env.apply(single_threaded=True)  # `qjax quantize`'s XLA:CPU flags (read when the backend starts, below)
+    use_cpu_devices(spec["args"]["batch_size"])  # as `qjax quantize` does: one CPU device per core (data parallel)
     use_compile_cache(spec["cache"])
     a = argparse.Namespace(**spec["args"])
     r = run_qjax(spec["base"], spec["calib"], spec["out"], a)

@@ -30,8 +30,8 @@ def _cmd(*args):
     return [sys.executable, "-m", "qjax.cli", "quantize", *args]
 
 
-def _run(*args, check=True):
-    p = subprocess.run(_cmd(*args), capture_output=True, text=True, timeout=600)
+def _run(*args, check=True, env=None):
+    p = subprocess.run(_cmd(*args), capture_output=True, text=True, timeout=600, env=env)
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -46,11 +46,13 @@ def base(tmp_path_factory):
 @pytest.mark.slow
 def test_kill_then_resume_equals_uninterrupted(base, tmp_path):
     """SIGKILL once block 1 is saved; ``--resume`` finishes from block 2; the folder equals an uninterrupted
-    in-process run of the same options, tensor for tensor."""
+    in-process run of the same options, tensor for tensor. One CPU device in the command, as in this process (with
+    one per core the step splits its minibatch: equal up to summation order, tests/test_autoround.py)."""
     folder, calib = base
     out = str(tmp_path / "out")
     args = ["--model", folder, "--dataset", calib, "--output_dir", out, "--iters", "6", "--quiet", *RECIPE]
-    proc = subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1"}
+    proc = subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     state = os.path.join(progress_dir_for(out), "state.json")
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
@@ -64,7 +66,7 @@ def test_kill_then_resume_equals_uninterrupted(base, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not os.path.exists(out)
-    p = _run(*args, "--resume")
+    p = _run(*args, "--resume", env=env)
     assert os.path.isdir(out) and not os.path.exists(progress_dir_for(out))
     report = json.load(open(os.path.join(out, "qjax_autoround.json")))
     assert [r["index"] for r in report] == [0, 1, 2, 3]
@@ -124,6 +126,9 @@ def test_each_block_reported_once_and_nothing_to_quantize_is_an_error(base, tmp_
     p = _run("--model", folder, "--dataset", calib, "--output_dir", str(out), "--iters", "2", "--compile_cache",
              str(cache), *RECIPE)
     assert f"compilation cache: {cache} " in p.stderr and any(cache.iterdir())
+    # one CPU device per core (up to the batch of 4): the tuning step says how it splits its minibatch
+    ways = max(d for d in range(1, min(len(os.sched_getaffinity(0)), 4) + 1) if 4 % d == 0)
+    assert (f"tuning data parallel over {ways} devices" in p.stderr) == (ways > 1), p.stderr
     # the progress bar's frames ("block 1/4:  50%|…") are not reports; a finished block's line names its kind
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if re.match(r"block \d+/\d+ \(", ln)]
     assert [ln.split(" ", 2)[1] for ln in lines] == ["1/4", "2/4", "3/4", "4/4"], p.stdout + p.stderr

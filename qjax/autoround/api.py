@@ -231,7 +231,8 @@ def algorithm_from_args(a) -> str:
 
 # flags auto-round takes that change nothing in qjax: (flag dest, note when given)
 NO_EFFECT = {
-    "device_map": "--device_map has no effect in qjax (the run uses JAX's default device)",
+    "device_map": "--device_map has no effect in qjax (the tuning step splits its minibatch over JAX's devices: on "
+                  "CPU one per core; set $JAX_NUM_CPU_DEVICES to choose)",
     "enable_torch_compile": "--enable_torch_compile/--disable_torch_compile have no effect in qjax (XLA compiles "
                             "every step)",
     "disable_low_cpu_mem_usage": "--disable_low_cpu_mem_usage has no effect in qjax (the checkpoint is read lazily "
@@ -332,6 +333,25 @@ def use_compile_cache(path: str | None) -> str | None:
     return path
 
 
+def use_cpu_devices(batch_size: int, environ=os.environ) -> int | None:
+    """Before JAX's backend starts: one XLA:CPU device per core, up to ``batch_size``, so that a CPU run's tuning step
+    splits its minibatch over the cores (:func:`qjax.autoround.driver.data_parallel_mesh`; each device runs
+    single-threaded, which was faster than one multi-threaded device: RESULTS.md). Returns the count set, or None when
+    ``$JAX_NUM_CPU_DEVICES`` already chose one or the backend has started. On a GPU the CPU devices stay idle."""
+    if "JAX_NUM_CPU_DEVICES" in environ:
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    n = max(1, min(cores, batch_size))
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backend is already running (a caller that computed something first)
+        return None
+    return n
+
+
 def cli(a) -> int:
     if a.model_pos is not None:
         if a.model is not None and a.model != a.model_pos:
@@ -343,6 +363,7 @@ def cli(a) -> int:
         elif dest == "enable_torch_compile" and a.enable_torch_compile is False:
             print(f"note: {note}", file=sys.stderr)
     cfg = config_from_args(a)
+    use_cpu_devices(cfg.batch_size)
     model_dir = a.model or default_model_dir()
     dataset = a.dataset or os.path.join(model_dir, "calib.txt")
     if not a.quiet:

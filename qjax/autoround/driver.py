@@ -9,6 +9,11 @@
 Every tuning iteration (clamp α/β → qdq every weight → layer forward → token-masked MSE → sign-SGD step, best-so-far
 bookkeeping) is one jitted step; ``chunk`` of them run in one ``lax.scan`` between progress-bar updates. Device
 memory holds one layer plus the three cached streams.
+
+With several devices (GPUs, or CPU devices: ``qjax quantize`` makes one per core) the minibatch is split over them
+(data parallel): each device runs the step on its share of the samples, the loss and the gradients are summed
+across devices, and the rest of the step — the sign-SGD update, the best-iteration bookkeeping — runs the same on
+every device. The result is the single-device step's up to float summation order.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from qjax.model.config import FULL
@@ -50,6 +57,16 @@ from .results import BlockReport, UnitResult
 from .schemes import Scheme, resolve
 
 logger = logging.getLogger("qjax.autoround")
+
+DATA = "data"  # the mesh axis the tuning step's minibatch is split over
+
+
+def data_parallel_mesh(batch_size: int, devices=None) -> Mesh | None:
+    """The mesh the tuning step splits its minibatch over: the most devices (of ``devices``, default all of the
+    default backend) that divide ``batch_size`` evenly; None when that is one (the plain single-device step)."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = max(d for d in range(1, min(len(devices), batch_size) + 1) if batch_size % d == 0)
+    return None if n == 1 else Mesh(np.asarray(devices[:n]), (DATA,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +149,14 @@ class AutoRound:
         ar = AutoRound(model, calib_ids, AutoRoundConfig(bits=4, group_size=128, iters=200))
         results = ar.run()                   # {layer index: {unit name: UnitResult}}
         qmodel = ar.quantized_model()        # packed qjax model (what the writers export)
+
+    ``devices``: what the tuning step may split its minibatch over (:func:`data_parallel_mesh`; default all devices
+    of the default backend, ``jax.devices()[:1]`` for one).
     """
 
     def __init__(self, model, calib_ids: np.ndarray, cfg: AutoRoundConfig, *, progress: bool = True,
                  progress_dir: str | None = None, resume: bool = False, fingerprint: dict | None = None,
-                 on_block: Callable[[BlockReport], None] | None = None):
+                 on_block: Callable[[BlockReport], None] | None = None, devices=None):
         if getattr(model, "quant", None) is not None:
             raise ValueError("AutoRound: the model is already quantized; start from the BF16/FP32 checkpoint")
         ids = np.asarray(calib_ids, np.int32)
@@ -154,6 +174,10 @@ class AutoRound:
         self.progress_dir, self.resume = progress_dir, resume
         self.fingerprint = fingerprint or {}
         self._ctxs: dict[int, object] = {}
+        self.mesh = data_parallel_mesh(cfg.batch_size, devices)
+        if self.mesh is not None:
+            logger.info("tuning data parallel over %d devices (%d of each minibatch's %d samples on each)",
+                        self.mesh.size, cfg.batch_size // self.mesh.size, cfg.batch_size)
 
     # -- schemes ------------------------------------------------------------------------------------------------------
     def _all_linear_names(self) -> dict[str, tuple[int, int]]:
@@ -322,19 +346,23 @@ class AutoRound:
         opt_state = _optimizer(tuple(sorted(lrs.items())), cfg.iters).init(params)
         n, t = x_in.shape[:2]
         sampler = IndexSampler(n, cfg.batch_size, cfg.seed)
-        bs = sampler.batch
-        ctx = self._ctx(bs)
-        mask = jnp.ones((bs, t, 1), jnp.float32).at[:, -1].set(0.0)  # auto-round masks each sample's last position
-        n_valid = float(bs * (t - 1))
+        mesh = self.mesh
+        local = sampler.batch // (1 if mesh is None else mesh.size)  # samples per device
+        ctx = self._ctx(local)
+        mask = jnp.ones((local, t, 1), jnp.float32).at[:, -1].set(0.0)  # auto-round masks each sample's last position
+        n_valid = float(sampler.batch * (t - 1))
         filter_top = cfg.enable_alg_ext and cfg.bits < 4
         graphdef, state = nnx.split(layer)
         step = _make_step(graphdef, tuple(tun), tuple(units), filter_top, n_valid, cfg.scale_dtype,
                           tuple(sorted((u.name, self._alpha_max(s)) for u, s in tun)), tuple(sorted(lrs.items())),
-                          cfg.iters)
-
+                          cfg.iters, mesh)
+        args = (state, weights, consts, fixed, x_in, fp_out, ctx, mask)
         best = jnp.asarray(jnp.inf, jnp.float32)
-        best_params = params
-        carry = (params, opt_state, best, best_params, jnp.asarray(0, jnp.int32), jnp.asarray(-1, jnp.int32))
+        carry = (params, opt_state, best, params, jnp.asarray(0, jnp.int32), jnp.asarray(-1, jnp.int32))
+        if mesh is not None:
+            # every operand on every device (the minibatch indices are split per call); the carry placed as the step
+            # returns it, so the second call finds the first call's program instead of compiling another
+            args, carry = jax.device_put((args, carry), NamedSharding(mesh, P()))
         bar = _bar(self.progress, cfg.iters, f"block {i + 1}/{len(self.layers)}")
         losses, chunks = [], []  # chunks: (iterations, seconds) of each jitted call
         it = 0
@@ -342,7 +370,7 @@ class AutoRound:
             k = min(cfg.chunk, cfg.iters - it)
             idx = jnp.asarray([sampler.next_batch() for _ in range(k)], jnp.int32)
             t0 = time.perf_counter()
-            carry, chunk_losses = step(carry, idx, state, weights, consts, fixed, x_in, fp_out, ctx, mask)
+            carry, chunk_losses = step(carry, idx, *args)
             chunk_losses = np.asarray(chunk_losses)  # waits for the chunk
             chunks.append((k, time.perf_counter() - t0))
             losses.extend(chunk_losses.tolist())
@@ -354,6 +382,8 @@ class AutoRound:
             bar.close()
         params, _, best, best_params, _, best_iter = carry
         final = params if cfg.not_use_best_mse else best_params
+        if mesh is not None:  # back to the default device, where the end of the block runs
+            final = jax.device_put(final, jax.devices()[0])
         per_iter = [sec / k for k, sec in chunks[1:] if k == cfg.chunk] or [chunks[0][1] / chunks[0][0]]
         iter_s = float(np.median(per_iter))
         return final, (float(losses[0]), float(best), int(best_iter), iter_s,
@@ -451,13 +481,17 @@ def _optimizer(lrs: tuple, iters: int) -> optax.GradientTransformation:
                           lr_minmax={k: v[1] for k, v in lrs})
 
 
-def block_loss(graphdef, tun_schemes: dict[str, Scheme], units: tuple, *, filter_top: bool, scale_dtype: str):
+def block_loss(graphdef, tun_schemes: dict[str, Scheme], units: tuple, *, filter_top: bool, scale_dtype: str,
+               axis: str | None = None):
     """The tuning loss of one block as a function of its rounding parameters.
 
     ``loss(params, state, weights, consts, fixed, x, ref, ctx, mask)``: every tunable unit's weight is replaced by
     its fake-quantized ``qdq(fixed[name], params[name], consts[name])`` (MXFP8 units by their RTN), the layer
     ``graphdef``/``state`` runs on ``x [B, T, H]``, and the result is ``mean((out·mask − ref·mask)²)`` in fp32
     (auto-round's token-masked MSE; with ``filter_top`` the 0.1 % largest errors are dropped).
+
+    ``axis``: inside ``shard_map`` over that mesh axis, ``x`` is this device's share of the minibatch and the result
+    is its part of the whole minibatch's loss (the parts sum to it); the 0.1 % are chosen over the whole minibatch.
     """
     qcfg = AutoRoundConfig(scale_dtype=scale_dtype)
 
@@ -469,28 +503,35 @@ def block_loss(graphdef, tun_schemes: dict[str, Scheme], units: tuple, *, filter
         w = blocks.replace_units(weights, [u for u, _ in units], new)
         out = blocks.layer_apply(graphdef, state, w, x, ctx)
         d = out.astype(jnp.float32) * mask - ref.astype(jnp.float32) * mask
+        parts = 1 if axis is None else jax.lax.axis_size(axis)
         if filter_top:
-            # SignRoundV2: the 0.1 % largest |errors| of the batch are left out of the sum (not of the mean)
+            # SignRoundV2: the 0.1 % largest |errors| of the batch are left out of the sum (not of the mean). Over
+            # devices: the whole batch's k largest are among the union of each device's k largest.
             a = jnp.abs(d).reshape(-1)
-            kth = jax.lax.top_k(a, max(1, a.size // 1000))[0][-1]
-            d = jnp.where(jnp.abs(d) >= kth, 0.0, d)
-        return jnp.mean(d * d)
+            k = max(1, a.size * parts // 1000)
+            top = jax.lax.top_k(a, k)[0]
+            if axis is not None:
+                top = jax.lax.top_k(jax.lax.all_gather(top, axis, tiled=True), k)[0]
+            d = jnp.where(jnp.abs(d) >= top[-1], 0.0, d)
+        return jnp.mean(d * d) / parts
 
     return loss_fn
 
 
 @functools.lru_cache(maxsize=64)
-def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max, lrs, iters):
+def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max, lrs, iters, mesh=None):
     """The jitted ``chunk``-iteration tuning step of one block structure (cached: identical layers share it).
 
     Carry: (params, opt_state, best loss, best params, iteration, best iteration); ``idxs [k, B]`` are the
     minibatches. Each iteration clamps α/β, evaluates the loss on the clamped params (iteration 0 is RTN), keeps
-    them if best so far, and takes one sign-SGD step.
+    them if best so far, and takes one sign-SGD step. With a ``mesh`` (:func:`data_parallel_mesh`) each device
+    takes its columns of ``idxs`` and ``ctx``/``mask`` are one device's share; the other operands are replicated.
     """
     alpha_max = dict(alpha_max)
     opt = _optimizer(lrs, iters)
+    axis = None if mesh is None else DATA
     loss_fn = block_loss(graphdef, {u.name: s for u, s in tun}, units, filter_top=filter_top,
-                         scale_dtype=scale_dtype)
+                         scale_dtype=scale_dtype, axis=axis)
 
     def one(carry, idx, state, weights, consts, fixed, x_in, fp_out, ctx, mask):
         params, opt_state, best, best_params, it, best_it = carry
@@ -499,6 +540,8 @@ def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max
         # ×1000 before the gradient as auto-round does (keeps low-precision gradients off 0; sign is unchanged)
         loss, g = jax.value_and_grad(
             lambda p: 1000.0 * loss_fn(p, state, weights, consts, fixed, x, ref, ctx, mask))(params)
+        if axis is not None:  # each device's part of the loss and of its gradient → the whole minibatch's
+            loss, g = jax.lax.psum((loss, g), axis)
         val = loss / 1000.0 / n_valid  # auto-round's logged value: MSE / number of valid tokens
         better = val < best
         best_params = jax.tree.map(lambda a, b: jnp.where(better, a, b), params, best_params)
@@ -508,12 +551,17 @@ def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max
         params = optax.apply_updates(params, updates)
         return (params, opt_state, best, best_params, it + 1, best_it), val
 
-    @jax.jit
     def step(carry, idxs, state, weights, consts, fixed, x_in, fp_out, ctx, mask):
         return jax.lax.scan(lambda c, ix: one(c, ix, state, weights, consts, fixed, x_in, fp_out, ctx, mask),
                             carry, idxs)
 
-    return step
+    if mesh is None:
+        return jax.jit(step)
+    rep = P()
+    # check_vma off: the layer's own scans (GDN chunks, expert blocks) start from zeros that are the same on every
+    # device and carry per-device values; the body's psum is what makes the outputs replicated
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(rep, P(None, DATA), *(rep,) * 8), out_specs=(rep, rep),
+                                 check_vma=False))
 
 
 def _clamp(p: dict, alpha_max: float) -> dict:

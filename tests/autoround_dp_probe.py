@@ -1,0 +1,70 @@
+"""Runs under 2 CPU devices (its own process: the device count is fixed when JAX starts) and writes a JSON report for
+tests/test_autoround.py: the same AutoRound run with its tuning step on one device and split over two.
+
+    JAX_NUM_CPU_DEVICES=2 python tests/autoround_dp_probe.py OUT.json
+
+One tuning iteration without best-iteration selection, so every code written is ``round(w / s + lr · sign(g))``: a
+gradient summed wrongly across the devices (one device's half of the minibatch) flips the sign, and so the code, of a
+large share of the entries; summation order alone only flips entries whose gradient is near zero.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from qjax import xla_env
+
+xla_env.apply(single_threaded=True)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import qjax  # noqa: E402
+from qjax.autoround.driver import AutoRound, AutoRoundConfig  # noqa: E402
+from qjax.checkpoint.hub import default_model_dir  # noqa: E402
+from qjax.quant.packing import unpack_int32  # noqa: E402
+
+# the default recipe (W4 g64, experts W2 g64) and SignRoundV2's top-0.1 % error filter (alg_ext below 4 bits)
+RECIPES = {"w4-experts-w2": dict(bits=4, group_size=64, layer_config={".*experts.*": {"bits": 2, "group_size": 64}}),
+           "w2-alg-ext": dict(bits=2, group_size=64, enable_alg_ext=True)}
+
+
+class _FirstBlockDone(Exception):
+    pass
+
+
+def _stop(report) -> None:
+    raise _FirstBlockDone
+
+
+def main(out_path: str) -> None:
+    assert jax.device_count() == 2, "run with JAX_NUM_CPU_DEVICES=2"
+    model = qjax.load_model(default_model_dir(), dtype=jnp.float32, text_only=True)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (4, 48), dtype=np.int32)
+    report = {}
+    for name, recipe in RECIPES.items():
+        cfg = AutoRoundConfig(**recipe, iters=1, nsamples=4, seqlen=48, batch_size=4, not_use_best_mse=True)
+        runs = {}
+        for label, devices in (("one", jax.devices()[:1]), ("two", jax.devices())):
+            ar = AutoRound(model, ids, cfg, progress=False, devices=devices, on_block=_stop)
+            assert (ar.mesh is None) == (label == "one")
+            try:
+                ar.run()
+            except _FirstBlockDone:  # later blocks start from different streams: block 0 is the comparison
+                pass
+            runs[label] = (ar.results[0], ar.reports[0])
+        (one, rep1), (two, rep2) = runs["one"], runs["two"]
+        codes = differ = 0
+        for unit, r in one.items():
+            a, b = (unpack_int32(x.packed, x.scheme.bits, x.in_features) for x in (r, two[unit]))
+            codes += a.size
+            differ += int(np.count_nonzero(a != b))
+        report[name] = {"init_loss": [rep1.init_loss, rep2.init_loss], "codes": codes, "codes_differing": differ}
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
