@@ -78,14 +78,16 @@ def markdown(rows: list[Row], a, wall: float, verdict: str) -> str:
     cmd = "python benchmarks/autoround_scaling.py " + shlex.join(sys.argv[1:])
     lines = [SECTION, "",
              f"Date: {datetime.date.today()}. Machine: {platform.processor() or platform.machine()}, "
-             f"{os.cpu_count()} CPUs ({platform.platform()}), jax {jax.__version__}, XLA:CPU single-threaded Eigen. "
+             f"{os.cpu_count()} CPUs ({platform.platform()}), jax {jax.__version__}, XLA:CPU single-threaded Eigen, "
+             f"{jax.device_count()} CPU device(s) (the tuning step split over them, as `qjax quantize` does). "
              f"Measured: {git_state()}. Command: `{cmd}` ({wall:.0f} s).", "",
              f"One layer of each kind of the `mid` config (hidden 512, expert intermediate 256, top-4) with E experts, "
              f"seed-000 recipe (W4 g128, experts W2 g64), {a.iters} iterations, batch {a.batch_size} × {a.seqlen} "
              f"tokens (= {a.batch_size * a.seqlen * 4} routed token-slots for every E). Iteration time: median of the "
              f"jitted {a.chunk}-iteration chunks after the first (the driver's `BlockReport.iter_seconds`); compile: "
              "the first chunk's time beyond that. Peak RSS: the whole process (model of two layers, calibration "
-             "streams, one block's tuning state).", "",
+             "streams, one block's tuning state; with several devices the block's weights and streams are copied to "
+             "each).", "",
              "| experts | routed rows per expert | expert weights (MiB, fp32) | GDN layer ms/iter | × E=4 | "
              "attention layer ms/iter | × E=4 | compile s (GDN / attn) | peak RSS (MiB) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -118,6 +120,9 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
+    from qjax.autoround.api import use_cpu_devices
+
+    a.devices = use_cpu_devices(a.batch_size) or 1  # as `qjax quantize`: one CPU device per core (data parallel)
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     rows: list[Row] = []

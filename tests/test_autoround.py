@@ -334,9 +334,10 @@ def test_data_parallel_mesh_takes_the_most_devices_that_divide_the_batch():
 @pytest.mark.subprocess
 def test_tuning_split_over_two_devices_equals_one(tmp_path):
     """tests/autoround_dp_probe.py in a process with two CPU devices: the first block's tuning on one device and split
-    over two, one iteration, for the default recipe and for SignRoundV2's top-0.1 % error filter (alg_ext). Measured
-    (2026-12-05): iteration-0 loss equal to 2.2e-7 relative, 0.07 % / 0.02 % of the codes differ (gradients near zero
-    whose sign the summation order decides); with the gradients not summed across the devices 28 % / 21 % differed."""
+    over two (the experts' rounding parameters split between them), one iteration, for the default recipe and for
+    SignRoundV2's top-0.1 % error filter (alg_ext). Measured (2026-12-05): iteration-0 loss equal to 2.2e-7
+    relative, 0.03 % / 0.015 % of the codes differ (gradients near zero whose sign the summation order decides); with
+    the gradients not summed across the devices 28 % / 21 % differed."""
     import subprocess
     import sys
 

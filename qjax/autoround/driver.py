@@ -353,16 +353,30 @@ class AutoRound:
         n_valid = float(sampler.batch * (t - 1))
         filter_top = cfg.enable_alg_ext and cfg.bits < 4
         graphdef, state = nnx.split(layer)
+        # stacked experts split over the devices: each quantize-dequantizes and updates only its slice (their qdq,
+        # gradients and rounding parameters grow with E; replicated, every device would repeat all of it)
+        sharded = frozenset() if mesh is None else frozenset(
+            u.name for u, _ in tun if u.experts and self.mcfg.num_experts % mesh.size == 0)
         step = _make_step(graphdef, tuple(tun), tuple(units), filter_top, n_valid, cfg.scale_dtype,
                           tuple(sorted((u.name, self._alpha_max(s)) for u, s in tun)), tuple(sorted(lrs.items())),
-                          cfg.iters, mesh)
+                          cfg.iters, mesh, sharded)
         args = (state, weights, consts, fixed, x_in, fp_out, ctx, mask)
         best = jnp.asarray(jnp.inf, jnp.float32)
         carry = (params, opt_state, best, params, jnp.asarray(0, jnp.int32), jnp.asarray(-1, jnp.int32))
         if mesh is not None:
-            # every operand on every device (the minibatch indices are split per call); the carry placed as the step
-            # returns it, so the second call finds the first call's program instead of compiling another
-            args, carry = jax.device_put((args, carry), NamedSharding(mesh, P()))
+            # every operand on every device but the sharded units' slices (the minibatch indices are split per call);
+            # the carry placed as the step returns it, so the second call finds the first call's program
+            def put(tree, specs):
+                return jax.device_put(tree, {k: NamedSharding(mesh, sp) for k, sp in specs.items()})
+
+            rep = NamedSharding(mesh, P())
+            ps = _expert_specs(params, sharded)
+            state = jax.device_put(state, rep)
+            weights = {tuple(p): v[...] for p, v in nnx.to_flat_state(state)}  # the same buffers, not a second copy
+            args = (state, weights, put(consts, ps), put(fixed, _expert_specs(fixed, sharded)),
+                    *jax.device_put(args[4:], rep))
+            carry = (put(params, ps), jax.device_put(opt_state, rep), jax.device_put(best, rep), put(params, ps),
+                     *jax.device_put(carry[4:], rep))
         bar = _bar(self.progress, cfg.iters, f"block {i + 1}/{len(self.layers)}")
         losses, chunks = [], []  # chunks: (iterations, seconds) of each jitted call
         it = 0
@@ -482,7 +496,7 @@ def _optimizer(lrs: tuple, iters: int) -> optax.GradientTransformation:
 
 
 def block_loss(graphdef, tun_schemes: dict[str, Scheme], units: tuple, *, filter_top: bool, scale_dtype: str,
-               axis: str | None = None):
+               axis: str | None = None, sharded: frozenset = frozenset()):
     """The tuning loss of one block as a function of its rounding parameters.
 
     ``loss(params, state, weights, consts, fixed, x, ref, ctx, mask)``: every tunable unit's weight is replaced by
@@ -492,11 +506,16 @@ def block_loss(graphdef, tun_schemes: dict[str, Scheme], units: tuple, *, filter
 
     ``axis``: inside ``shard_map`` over that mesh axis, ``x`` is this device's share of the minibatch and the result
     is its part of the whole minibatch's loss (the parts sum to it); the 0.1 % are chosen over the whole minibatch.
+    The units named in ``sharded`` (stacked experts) come as this device's slice of their experts (``fixed``,
+    ``params``, ``consts``): each device quantize-dequantizes its slice and the slices are gathered into the whole
+    stack (whose gradient transposes to a sum over the devices, scattered back to each slice).
     """
     qcfg = AutoRoundConfig(scale_dtype=scale_dtype)
 
     def loss_fn(params, state, weights, consts, fixed, x, ref, ctx, mask):
         new = {name: _qdq(fixed[name], params[name], consts[name], s, qcfg)[0] for name, s in tun_schemes.items()}
+        for name in sharded:
+            new[name] = jax.lax.all_gather(new[name], axis, tiled=True)
         for u, s in units:  # MXFP8 units are RTN: their fake-quantized weight is part of the block
             if u.name not in new:
                 new[u.name] = quantize_mxfp8(fixed[u.name])[2]
@@ -519,19 +538,22 @@ def block_loss(graphdef, tun_schemes: dict[str, Scheme], units: tuple, *, filter
 
 
 @functools.lru_cache(maxsize=64)
-def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max, lrs, iters, mesh=None):
+def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max, lrs, iters, mesh=None,
+               sharded: frozenset = frozenset()):
     """The jitted ``chunk``-iteration tuning step of one block structure (cached: identical layers share it).
 
     Carry: (params, opt_state, best loss, best params, iteration, best iteration); ``idxs [k, B]`` are the
     minibatches. Each iteration clamps α/β, evaluates the loss on the clamped params (iteration 0 is RTN), keeps
     them if best so far, and takes one sign-SGD step. With a ``mesh`` (:func:`data_parallel_mesh`) each device
-    takes its columns of ``idxs`` and ``ctx``/``mask`` are one device's share; the other operands are replicated.
+    takes its columns of ``idxs`` and ``ctx``/``mask`` are one device's share; the units in ``sharded`` hold their
+    experts split over the devices (:func:`_expert_specs`: ``params``, ``consts``, ``fixed`` and the carry's
+    parameters), every other operand is replicated.
     """
     alpha_max = dict(alpha_max)
     opt = _optimizer(lrs, iters)
     axis = None if mesh is None else DATA
     loss_fn = block_loss(graphdef, {u.name: s for u, s in tun}, units, filter_top=filter_top,
-                         scale_dtype=scale_dtype, axis=axis)
+                         scale_dtype=scale_dtype, axis=axis, sharded=sharded)
 
     def one(carry, idx, state, weights, consts, fixed, x_in, fp_out, ctx, mask):
         params, opt_state, best, best_params, it, best_it = carry
@@ -540,8 +562,11 @@ def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max
         # ×1000 before the gradient as auto-round does (keeps low-precision gradients off 0; sign is unchanged)
         loss, g = jax.value_and_grad(
             lambda p: 1000.0 * loss_fn(p, state, weights, consts, fixed, x, ref, ctx, mask))(params)
-        if axis is not None:  # each device's part of the loss and of its gradient → the whole minibatch's
-            loss, g = jax.lax.psum((loss, g), axis)
+        if axis is not None:
+            # each device's part of the loss and of the replicated units' gradients → the whole minibatch's; a sharded
+            # unit's gradient is already summed over the devices (the transpose of its gather)
+            loss = jax.lax.psum(loss, axis)
+            g = {k: v if k in sharded else jax.lax.psum(v, axis) for k, v in g.items()}
         val = loss / 1000.0 / n_valid  # auto-round's logged value: MSE / number of valid tokens
         better = val < best
         best_params = jax.tree.map(lambda a, b: jnp.where(better, a, b), params, best_params)
@@ -558,10 +583,18 @@ def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max
     if mesh is None:
         return jax.jit(step)
     rep = P()
+    ps = _expert_specs([u.name for u, _ in tun], sharded)
+    fs = _expert_specs([u.name for u, _ in units], sharded)
+    carry = (ps, rep, rep, ps, rep, rep)
     # check_vma off: the layer's own scans (GDN chunks, expert blocks) start from zeros that are the same on every
     # device and carry per-device values; the body's psum is what makes the outputs replicated
-    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(rep, P(None, DATA), *(rep,) * 8), out_specs=(rep, rep),
-                                 check_vma=False))
+    return jax.jit(jax.shard_map(step, mesh=mesh, out_specs=(carry, rep), check_vma=False,
+                                 in_specs=(carry, P(None, DATA), rep, rep, ps, fs, rep, rep, rep, rep)))
+
+
+def _expert_specs(names, sharded: frozenset) -> dict:
+    """``{unit: spec}``: a sharded unit's arrays split over :data:`DATA` along their leading expert axis."""
+    return {n: P(DATA) if n in sharded else P() for n in names}
 
 
 def _clamp(p: dict, alpha_max: float) -> dict:
