@@ -385,7 +385,10 @@ class AutoRound:
             idx = jnp.asarray([sampler.next_batch() for _ in range(k)], jnp.int32)
             t0 = time.perf_counter()
             carry, chunk_losses = step(carry, idx, *args)
-            chunk_losses = np.asarray(chunk_losses)  # waits for the chunk
+            # waits for the chunk on every device: with several, XLA:CPU could deadlock in a collective when two
+            # multi-device programs were in flight at once (seen in a two-device probe, jax 0.10.2)
+            jax.block_until_ready(carry)
+            chunk_losses = np.asarray(chunk_losses)
             chunks.append((k, time.perf_counter() - t0))
             losses.extend(chunk_losses.tolist())
             it += k
