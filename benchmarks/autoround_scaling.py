@@ -122,7 +122,7 @@ def main() -> int:
     a = ap.parse_args()
     from qjax.autoround.api import use_cpu_devices
 
-    a.devices = use_cpu_devices(a.batch_size) or 1  # as `qjax quantize`: one CPU device per core (data parallel)
+    use_cpu_devices(a.batch_size)  # as `qjax quantize`: one CPU device per core (data parallel)
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     rows: list[Row] = []

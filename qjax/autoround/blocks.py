@@ -78,7 +78,12 @@ def unit_weight(state_weights: dict, unit: Unit) -> jnp.ndarray:
 
 def weights_of(layer) -> dict[tuple, jnp.ndarray]:
     """``{path: array}`` of every variable of a layer."""
-    return {tuple(p): v[...] for p, v in nnx.to_flat_state(nnx.state(layer))}
+    return state_weights(nnx.state(layer))
+
+
+def state_weights(state) -> dict[tuple, jnp.ndarray]:
+    """``{path: array}`` of every variable of a layer's nnx state (the state's own buffers, not copies)."""
+    return {tuple(p): v[...] for p, v in nnx.to_flat_state(state)}
 
 
 def replace_units(weights: dict, units: list[Unit], new: dict[str, jnp.ndarray]) -> dict:

@@ -364,19 +364,12 @@ class AutoRound:
         best = jnp.asarray(jnp.inf, jnp.float32)
         carry = (params, opt_state, best, params, jnp.asarray(0, jnp.int32), jnp.asarray(-1, jnp.int32))
         if mesh is not None:
-            # every operand on every device but the sharded units' slices (the minibatch indices are split per call);
-            # the carry placed as the step returns it, so the second call finds the first call's program
-            def put(tree, specs):
-                return jax.device_put(tree, {k: NamedSharding(mesh, sp) for k, sp in specs.items()})
-
-            rep = NamedSharding(mesh, P())
-            ps = _expert_specs(params, sharded)
-            state = jax.device_put(state, rep)
-            weights = {tuple(p): v[...] for p, v in nnx.to_flat_state(state)}  # the same buffers, not a second copy
-            args = (state, weights, put(consts, ps), put(fixed, _expert_specs(fixed, sharded)),
-                    *jax.device_put(args[4:], rep))
-            carry = (put(params, ps), jax.device_put(opt_state, rep), jax.device_put(best, rep), put(params, ps),
-                     *jax.device_put(carry[4:], rep))
+            # every operand placed as the step's specs say (the minibatch indices are split per call); the carry as
+            # the step returns it, so the second call finds the first call's program instead of compiling another
+            carry_specs, arg_specs = _step_specs(params, fixed, sharded)
+            carry, args = jax.device_put((carry, args), jax.tree.map(
+                lambda sp: NamedSharding(mesh, sp), (carry_specs, arg_specs), is_leaf=lambda x: isinstance(x, P)))
+            args = (args[0], blocks.state_weights(args[0]), *args[2:])  # the placed state's buffers, not a 2nd copy
         bar = _bar(self.progress, cfg.iters, f"block {i + 1}/{len(self.layers)}")
         losses, chunks = [], []  # chunks: (iterations, seconds) of each jitted call
         it = 0
@@ -549,7 +542,7 @@ def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max
     minibatches. Each iteration clamps α/β, evaluates the loss on the clamped params (iteration 0 is RTN), keeps
     them if best so far, and takes one sign-SGD step. With a ``mesh`` (:func:`data_parallel_mesh`) each device
     takes its columns of ``idxs`` and ``ctx``/``mask`` are one device's share; the units in ``sharded`` hold their
-    experts split over the devices (:func:`_expert_specs`: ``params``, ``consts``, ``fixed`` and the carry's
+    experts split over the devices (:func:`_step_specs`: ``params``, ``consts``, ``fixed`` and the carry's
     parameters), every other operand is replicated.
     """
     alpha_max = dict(alpha_max)
@@ -585,19 +578,21 @@ def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max
 
     if mesh is None:
         return jax.jit(step)
-    rep = P()
-    ps = _expert_specs([u.name for u, _ in tun], sharded)
-    fs = _expert_specs([u.name for u, _ in units], sharded)
-    carry = (ps, rep, rep, ps, rep, rep)
+    carry, args = _step_specs([u.name for u, _ in tun], [u.name for u, _ in units], sharded)
     # check_vma off: the layer's own scans (GDN chunks, expert blocks) start from zeros that are the same on every
     # device and carry per-device values; the body's psum is what makes the outputs replicated
-    return jax.jit(jax.shard_map(step, mesh=mesh, out_specs=(carry, rep), check_vma=False,
-                                 in_specs=(carry, P(None, DATA), rep, rep, ps, fs, rep, rep, rep, rep)))
+    return jax.jit(jax.shard_map(step, mesh=mesh, out_specs=(carry, P()), check_vma=False,
+                                 in_specs=(carry, P(None, DATA), *args)))
 
 
-def _expert_specs(names, sharded: frozenset) -> dict:
-    """``{unit: spec}``: a sharded unit's arrays split over :data:`DATA` along their leading expert axis."""
-    return {n: P(DATA) if n in sharded else P() for n in names}
+def _step_specs(tunable, units, sharded: frozenset) -> tuple[tuple, tuple]:
+    """The data-parallel step's partition specs, ``(carry, operands after the indices)``, for the step's ``shard_map``
+    and for placing its operands: a unit in ``sharded`` has its ``params`` / ``consts`` / ``fixed`` split over
+    :data:`DATA` along the leading expert axis, everything else is replicated. ``tunable``, ``units``: unit names."""
+    ps = {n: P(DATA) if n in sharded else P() for n in tunable}
+    fs = {n: P(DATA) if n in sharded else P() for n in units}
+    rep = P()
+    return (ps, rep, rep, ps, rep, rep), (rep, rep, ps, fs, rep, rep, rep, rep)
 
 
 def _clamp(p: dict, alpha_max: float) -> dict:
