@@ -86,18 +86,24 @@ def experts_grouped(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
 
 def _block_sizes(slots: int, num_experts: int) -> tuple[int, ...]:
     """The row-block sizes of the blocked path, largest first: a power of two near the mean rows per expert
-    (8…128), then up to two halvings (not below 8). An expert's rows fill whole blocks of the largest size, and its
-    remainder (rounded up to the smallest size) one block of each smaller size it needs: padding stays below the
-    smallest size per expert, while most rows still go through the large, efficient matmuls. (With one size of 64 at
-    512 tokens × top-4 of 32 experts, 3,008 rows were computed for 2,048 routed; with 64/32/16, 2,304.)"""
+    (8…128), then a quarter of it (not below 8). An expert's rows fill whole blocks of the large size, and its
+    remainder (rounded up to the small size) up to three blocks of the small size: padding stays below the small size
+    per expert, while most rows still go through the large, efficient matmuls. (With one size of 64 at 512 tokens ×
+    top-4 of 32 experts, 3,008 rows were computed for 2,048 routed; with 64/16, 2,304.) Two sizes rather than the
+    three of 64/32/16, which pad the same: each size is one more scan (and, under autodiff, one more backward loop)
+    to compile — that MoE layer compiled in 1.4 instead of 2.0 s and ran as fast, 16 ms (benchmarks/moe_blocks.py)."""
     block = int(min(128, max(8, 1 << max(0, (-(-slots // num_experts) - 1).bit_length()))))
-    return tuple(b for b in (block, block // 2, block // 4) if b >= 8)
+    return (block, block // 4) if block >= 32 else (block, 8) if block > 8 else (block,)
 
 
-def _block_layout(idx: jnp.ndarray, num_experts: int) -> tuple[tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray], ...]:
-    """Expert-aligned row blocks (vLLM's ``moe_align_block_size``) in a few sizes (:func:`_block_sizes`): token-slots
-    sorted by expert; each expert's run, padded to a multiple of the smallest size, is cut into whole blocks of the
-    largest size and then at most one block of each smaller size.
+def _block_layout(idx: jnp.ndarray, num_experts: int, sizes: tuple[int, ...] | None = None
+                  ) -> tuple[tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray], ...]:
+    """Expert-aligned row blocks (vLLM's ``moe_align_block_size``) in two sizes (:func:`_block_sizes`): token-slots
+    sorted by expert; each expert's run, padded to a multiple of the small size, is cut into whole blocks of the large
+    size and then blocks of the small size for the rest.
+
+    ``sizes``: other block sizes, descending powers of two (benchmarks compare layouts): whole blocks of the first,
+    at most one block of each middle size, the rest in blocks of the last.
 
     Returns one ``(rows [nb·block], blk_expert [nb], used)`` per size: the token-slot of each row (−1: padding), the
     expert owning each block, and how many leading blocks hold rows (int32 scalar). ``nb`` is a static bound; the
@@ -105,7 +111,9 @@ def _block_layout(idx: jnp.ndarray, num_experts: int) -> tuple[tuple[jnp.ndarray
     """
     n, k = idx.shape
     s = n * k
-    sizes_b = _block_sizes(s, num_experts)
+    sizes_b = _block_sizes(s, num_experts) if sizes is None else tuple(sizes)
+    if any(b < 1 or b & (b - 1) for b in sizes_b) or list(sizes_b) != sorted(set(sizes_b), reverse=True):
+        raise ValueError(f"block sizes must be descending powers of two, got {sizes_b}")
     unit = sizes_b[-1]
     flat = idx.reshape(-1)
     flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # dropped slots: sorted last, no row
@@ -118,10 +126,17 @@ def _block_layout(idx: jnp.ndarray, num_experts: int) -> tuple[tuple[jnp.ndarray
     skip = jnp.zeros_like(sizes)  # rows of each expert's run placed in larger blocks
     out = []
     for i, block in enumerate(sizes_b):
-        take = rest // block * block if i == 0 else jnp.where(rest >= block, block, 0)
-        # a static bound (at least one block, so every scan has a step: with one expert and 17–24 slots no expert
-        # fills a 32-row block)
-        nb = max(1, (s + num_experts * (unit - 1)) // block) if i == 0 else num_experts
+        # static bounds, at least one block so every scan has a step (with one expert and 17–24 slots no expert fills
+        # a 32-row block): the rows padded to the small size, cut into these blocks; for the small size also
+        # (large / small − 1) blocks per expert at most, what is left under one large block
+        nb = max(1, (s + num_experts * (unit - 1)) // block)
+        if i == 0:
+            take = rest // block * block
+        elif i < len(sizes_b) - 1:
+            take, nb = jnp.where(rest >= block, block, 0), min(nb, num_experts)
+        else:
+            take = rest
+            nb = min(nb, num_experts * (sizes_b[i - 1] // block - 1))
         ends = jnp.cumsum(take)
         starts = ends - take
         mine = (e_sorted < num_experts) & (local >= skip[e_safe]) & (local < skip[e_safe] + take[e_safe])
@@ -214,7 +229,7 @@ _scan_blocks_dense.defvjp(_scan_blocks_dense_fwd, _scan_blocks_dense_bwd)
 
 
 def experts_blocked(x, idx, weights, gate_up: WeightFn | jnp.ndarray, down: WeightFn | jnp.ndarray,
-                    num_experts: int):
+                    num_experts: int, block_sizes: tuple[int, ...] | None = None):
     """Routed experts over row blocks, each block owned by one expert, one block per scan step.
 
     Token-slots are sorted by expert into expert-aligned blocks of a few sizes (:func:`_block_layout`); a
@@ -225,9 +240,10 @@ def experts_blocked(x, idx, weights, gate_up: WeightFn | jnp.ndarray, down: Weig
     RESULTS.md, issue 24). On CPU this is also much faster than ``ragged_dot`` (which XLA:CPU runs as a dense loop).
     Same contract as :func:`experts_gather`; ``gate_up``/``down`` may also be the dense ``[E, …]`` stacks
     themselves, which makes the weights' gradient cost ∝ routed rows too (:func:`_scan_blocks_dense`).
+    ``block_sizes``: the layout's sizes (default :func:`_block_sizes`; see :func:`_block_layout`).
     """
     n, k = idx.shape
-    layout = _block_layout(idx, num_experts)
+    layout = _block_layout(idx, num_experts, block_sizes)
     blocks = tuple((jnp.where(rows >= 0, rows // k, 0), blk_expert, used) for rows, blk_expert, used in layout)
     if callable(gate_up) or callable(down):
         outs = _scan_blocks(x, blocks, as_weight_fn(gate_up), as_weight_fn(down))

@@ -569,20 +569,22 @@ def test_blocked_gradient_of_dense_stacks(x64, n, experts, top_k, h, inter):
             assert _rel_err(got, ref) <= 1e-12, name
 
 
-@pytest.mark.parametrize("n, experts, top_k", [(512, 32, 4), (37, 5, 2), (3, 8, 3), (300, 16, 8), (64, 256, 8),
-                                              (20, 1, 1)])
-def test_block_layout_places_every_slot_once(n, experts, top_k):
+@pytest.mark.parametrize("n, experts, top_k, sizes", [(512, 32, 4, None), (37, 5, 2, None), (3, 8, 3, None),
+                                                     (300, 16, 8, None), (64, 256, 8, None), (20, 1, 1, None),
+                                                     (512, 32, 4, (64, 32, 16)), (300, 16, 8, (128, 8))])
+def test_block_layout_places_every_slot_once(n, experts, top_k, sizes):
     """The blocked path's layout: every routed slot in exactly one row, every row of a block routed to the block's
-    expert, no rows past ``used``, at most one block of each smaller size per expert, and fewer padding rows per
-    expert than the smallest block size (dropped slots, ids outside [0, E), get no row)."""
+    expert, no rows past ``used``, at most one block of a middle size and fewer blocks of the last size than fit in
+    one block of the size before, and fewer padding rows per expert than the last size (dropped slots, ids outside
+    [0, E), get no row) — for the default sizes and for sizes given."""
     from qjax.kernels.moe_reference import _block_layout, _block_sizes
 
     rng = np.random.default_rng(n + experts)
     idx = np.argsort(rng.random((n, experts)), 1)[:, :top_k].astype(np.int32)
     idx[0, 0], idx[-1, -1] = -1, experts + 2
     flat = idx.reshape(-1)
-    sizes = _block_sizes(n * top_k, experts)
-    layout = jax.jit(_block_layout, static_argnums=1)(jnp.asarray(idx), experts)
+    layout = jax.jit(_block_layout, static_argnums=(1, 2))(jnp.asarray(idx), experts, sizes)
+    sizes = sizes or _block_sizes(n * top_k, experts)
     assert len(layout) == len(sizes) and sizes[-1] >= 8
     seen = np.zeros(flat.shape, int)
     padding = np.zeros(experts, int)
@@ -595,7 +597,30 @@ def test_block_layout_places_every_slot_once(n, experts, top_k):
             np.add.at(seen, r, 1)
             padding[blk_expert[b]] += block - r.size
         if i:
-            assert np.all(np.bincount(blk_expert[:used], minlength=experts) <= 1)
+            limit = 1 if i < len(sizes) - 1 else sizes[i - 1] // block - 1
+            assert np.all(np.bincount(blk_expert[:used], minlength=experts) <= limit)
     valid = (flat >= 0) & (flat < experts)
     np.testing.assert_array_equal(seen, valid.astype(int))
     assert np.all(padding < sizes[-1])
+
+
+def test_blocked_path_with_sizes_given_computes_the_same():
+    """The layout's sizes change which rows share a matmul, not the result: the default two sizes, three sizes (the
+    benchmarks' comparison) and one size equal the gather path to f32 rounding; sizes that are not descending powers
+    of two are refused."""
+    from qjax.kernels.moe_reference import as_weight_fn, experts_blocked, experts_gather
+
+    rng = np.random.default_rng(7)
+    n, experts, top_k, h, inter = 200, 32, 4, 32, 16
+    x = jnp.asarray(rng.normal(size=(n, h)), jnp.float32)
+    idx = jnp.asarray(np.argsort(rng.random((n, experts)), 1)[:, :top_k], jnp.int32).at[0, 0].set(-1)
+    w = jnp.asarray(rng.random((n, top_k)), jnp.float32)
+    gu = as_weight_fn(jnp.asarray(rng.normal(size=(experts, 2 * inter, h)) / np.sqrt(h), jnp.float32))
+    dn = as_weight_fn(jnp.asarray(rng.normal(size=(experts, h, inter)) / np.sqrt(inter), jnp.float32))
+    want = experts_gather(x, idx, w, gu, dn, experts)
+    for sizes in (None, (32, 16, 8), (8,), (64, 8)):
+        got = jax.jit(lambda x: experts_blocked(x, idx, w, gu, dn, experts, sizes))(x)
+        assert _rel_err(got, want) <= 1e-6, sizes
+    for bad in ((16, 32), (24, 8), (16, 16)):
+        with pytest.raises(ValueError, match="descending powers of two"):
+            experts_blocked(x, idx, w, gu, dn, experts, bad)

@@ -67,3 +67,48 @@ def test_bfloat16_model_runs_at_batch_above_one_under_ynnpack_dots():
     run = subprocess.run([sys.executable, "-P", "-c", _BF16_PROBE], env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+# the suite's own compile-speed flags (tests/conftest.py): the tests above and the rest of the suite compile with them
+_SUITE_ONLY_FLAGS = ("xla_backend_optimization_level", "xla_llvm_disable_expensive_passes", "xla_cpu_use_fusion_emitters")
+
+_DEFAULT_FLAGS_PROBE = """
+import sys, numpy as np, jax.numpy as jnp, qjax
+model = qjax.load_model(sys.argv[1], dtype=jnp.float32)
+ids = np.random.default_rng(4).integers(1, model.config.vocab_size, (2, 40)).astype(np.int32)
+logits = np.asarray(model(jnp.asarray(ids)), np.float32)
+tokens = np.asarray(qjax.generate(model, ids, max_new_tokens=6, eos_token_id=[], do_sample=False))
+np.savez(sys.argv[2], ids=ids, logits=logits, tokens=tokens)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_the_library_flags_alone_compute_what_the_suite_checks(tiny_hf, tmp_path):
+    """The suite compiles with faster-compiling XLA:CPU settings than a user gets (less LLVM optimisation, the legacy
+    elemental emitters, which fuse a little less and expand scatters into loops). So once, in a child process with
+    qjax's library flags alone, the tiny model's float32 logits are checked against transformers (the suite's
+    tolerance, tests/test_model.py) and its greedy tokens against the same generate compiled the suite's way."""
+    import subprocess
+    import sys
+
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    import qjax
+
+    hf, folder = tiny_hf
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not any(k in f for k in _SUITE_ONLY_FLAGS)]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    out = tmp_path / "probe.npz"
+    run = subprocess.run([sys.executable, "-P", "-c", _DEFAULT_FLAGS_PROBE, folder, str(out)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = np.load(out)
+    with torch.no_grad():
+        want = hf(torch.as_tensor(got["ids"], dtype=torch.long)).logits.numpy()
+    assert np.abs(got["logits"] - want).max() <= 2.4e-4  # tests/test_model.py's TOL
+    model = qjax.load_model(folder, dtype=jnp.float32)
+    here = qjax.generate(model, got["ids"], max_new_tokens=6, eos_token_id=[], do_sample=False)
+    np.testing.assert_array_equal(np.asarray(here), got["tokens"])
