@@ -29,14 +29,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cpu_speed  # noqa: E402
-from qjax.kernels.moe_reference import _block_sizes, as_weight_fn, experts_blocked, experts_gather  # noqa: E402
+from qjax.kernels.moe_reference import as_weight_fn, block_sizes, experts_blocked, experts_gather  # noqa: E402
 
 SECTION = "## MoE blocked path on CPU: block sizes, compile and run time (issue 24)"
 H, I, E, K = 512, 256, 32, 4  # the mid config's MoE layer (benchmarks/cpu_speed.py)
 
 
 def layouts(slots: int) -> dict[str, tuple[int, ...]]:
-    default = _block_sizes(slots, E)
+    default = block_sizes(slots, E)
     large = default[0]
     return {"two (default)": default,
             "three": tuple(b for b in (large, large // 2, large // 4) if b >= 8),

@@ -84,7 +84,7 @@ def experts_grouped(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     return jnp.zeros((n, x.shape[1]), acc_dtype).at[token].add(out * w_sorted[:, None])
 
 
-def _block_sizes(slots: int, num_experts: int) -> tuple[int, ...]:
+def block_sizes(slots: int, num_experts: int) -> tuple[int, ...]:
     """The row-block sizes of the blocked path, largest first: a power of two near the mean rows per expert
     (8…128), then a quarter of it (not below 8). An expert's rows fill whole blocks of the large size, and its
     remainder (rounded up to the small size) up to three blocks of the small size: padding stays below the small size
@@ -98,7 +98,7 @@ def _block_sizes(slots: int, num_experts: int) -> tuple[int, ...]:
 
 def _block_layout(idx: jnp.ndarray, num_experts: int, sizes: tuple[int, ...] | None = None
                   ) -> tuple[tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray], ...]:
-    """Expert-aligned row blocks (vLLM's ``moe_align_block_size``) in two sizes (:func:`_block_sizes`): token-slots
+    """Expert-aligned row blocks (vLLM's ``moe_align_block_size``) in two sizes (:func:`block_sizes`): token-slots
     sorted by expert; each expert's run, padded to a multiple of the small size, is cut into whole blocks of the large
     size and then blocks of the small size for the rest.
 
@@ -111,7 +111,7 @@ def _block_layout(idx: jnp.ndarray, num_experts: int, sizes: tuple[int, ...] | N
     """
     n, k = idx.shape
     s = n * k
-    sizes_b = _block_sizes(s, num_experts) if sizes is None else tuple(sizes)
+    sizes_b = block_sizes(s, num_experts) if sizes is None else tuple(sizes)
     if any(b < 1 or b & (b - 1) for b in sizes_b) or list(sizes_b) != sorted(set(sizes_b), reverse=True):
         raise ValueError(f"block sizes must be descending powers of two, got {sizes_b}")
     unit = sizes_b[-1]
@@ -229,7 +229,7 @@ _scan_blocks_dense.defvjp(_scan_blocks_dense_fwd, _scan_blocks_dense_bwd)
 
 
 def experts_blocked(x, idx, weights, gate_up: WeightFn | jnp.ndarray, down: WeightFn | jnp.ndarray,
-                    num_experts: int, block_sizes: tuple[int, ...] | None = None):
+                    num_experts: int, sizes: tuple[int, ...] | None = None):
     """Routed experts over row blocks, each block owned by one expert, one block per scan step.
 
     Token-slots are sorted by expert into expert-aligned blocks of a few sizes (:func:`_block_layout`); a
@@ -240,10 +240,10 @@ def experts_blocked(x, idx, weights, gate_up: WeightFn | jnp.ndarray, down: Weig
     RESULTS.md, issue 24). On CPU this is also much faster than ``ragged_dot`` (which XLA:CPU runs as a dense loop).
     Same contract as :func:`experts_gather`; ``gate_up``/``down`` may also be the dense ``[E, …]`` stacks
     themselves, which makes the weights' gradient cost ∝ routed rows too (:func:`_scan_blocks_dense`).
-    ``block_sizes``: the layout's sizes (default :func:`_block_sizes`; see :func:`_block_layout`).
+    ``sizes``: the layout's block sizes (default :func:`block_sizes`; see :func:`_block_layout`).
     """
     n, k = idx.shape
-    layout = _block_layout(idx, num_experts, block_sizes)
+    layout = _block_layout(idx, num_experts, sizes)
     blocks = tuple((jnp.where(rows >= 0, rows // k, 0), blk_expert, used) for rows, blk_expert, used in layout)
     if callable(gate_up) or callable(down):
         outs = _scan_blocks(x, blocks, as_weight_fn(gate_up), as_weight_fn(down))

@@ -577,14 +577,14 @@ def test_block_layout_places_every_slot_once(n, experts, top_k, sizes):
     expert, no rows past ``used``, at most one block of a middle size and fewer blocks of the last size than fit in
     one block of the size before, and fewer padding rows per expert than the last size (dropped slots, ids outside
     [0, E), get no row) — for the default sizes and for sizes given."""
-    from qjax.kernels.moe_reference import _block_layout, _block_sizes
+    from qjax.kernels.moe_reference import _block_layout, block_sizes
 
     rng = np.random.default_rng(n + experts)
     idx = np.argsort(rng.random((n, experts)), 1)[:, :top_k].astype(np.int32)
     idx[0, 0], idx[-1, -1] = -1, experts + 2
     flat = idx.reshape(-1)
     layout = jax.jit(_block_layout, static_argnums=(1, 2))(jnp.asarray(idx), experts, sizes)
-    sizes = sizes or _block_sizes(n * top_k, experts)
+    sizes = sizes or block_sizes(n * top_k, experts)
     assert len(layout) == len(sizes) and sizes[-1] >= 8
     seen = np.zeros(flat.shape, int)
     padding = np.zeros(experts, int)
