@@ -32,7 +32,8 @@ import cpu_speed  # noqa: E402
 from qjax.kernels.moe_reference import as_weight_fn, block_sizes, experts_blocked, experts_gather  # noqa: E402
 
 SECTION = "## MoE blocked path on CPU: block sizes, compile and run time (issue 24)"
-H, I, E, K = 512, 256, 32, 4  # the mid config's MoE layer (benchmarks/cpu_speed.py)
+_MID = cpu_speed.config_dict("mid")  # the mid config's MoE layer
+H, I, E, K = (_MID[k] for k in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"))
 
 
 def layouts(slots: int) -> dict[str, tuple[int, ...]]:

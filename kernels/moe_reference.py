@@ -93,7 +93,7 @@ def block_sizes(slots: int, num_experts: int) -> tuple[int, ...]:
     three of 64/32/16, which pad the same: each size is one more scan (and, under autodiff, one more backward loop)
     to compile — that MoE layer compiled in 1.4 instead of 2.0 s and ran as fast, 16 ms (benchmarks/moe_blocks.py)."""
     block = int(min(128, max(8, 1 << max(0, (-(-slots // num_experts) - 1).bit_length()))))
-    return (block, block // 4) if block >= 32 else (block, 8) if block > 8 else (block,)
+    return (block, max(8, block // 4)) if block > 8 else (block,)
 
 
 def _block_layout(idx: jnp.ndarray, num_experts: int, sizes: tuple[int, ...] | None = None
