@@ -335,20 +335,29 @@ def test_data_parallel_mesh_takes_the_most_devices_that_divide_the_batch():
 def test_tuning_split_over_two_devices_equals_one(tmp_path):
     """tests/autoround_dp_probe.py in a process with two CPU devices: the first block's tuning on one device and split
     over two (the experts' rounding parameters split between them), one iteration, for the default recipe and for
-    SignRoundV2's top-0.1 % error filter (alg_ext). Measured (2026-12-05): iteration-0 loss equal to 2.2e-7
+    SignRoundV2's top-0.1 % error filter (alg_ext); and the two-device step's program the same in a second process
+    with other string hashing. Measured (2026-12-05): iteration-0 loss equal to 2.2e-7
     relative, 0.03 % / 0.015 % of the codes differ (gradients near zero whose sign the summation order decides); with
     the gradients not summed across the devices 28 % / 21 % differed."""
     import subprocess
     import sys
 
-    out = tmp_path / "dp.json"
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-P", os.path.join(os.path.dirname(__file__), "autoround_dp_probe.py"),
-                        str(out)], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert set(report) == {"w4-experts-w2", "w2-alg-ext"}
+    probe = os.path.join(os.path.dirname(__file__), "autoround_dp_probe.py")
+    reports = []
+    # the second process only lowers the two-device steps, under another string hashing: the same programs, so a
+    # later `qjax quantize` finds them in the persistent compilation cache (a set's order once changed them)
+    for seed, extra in (("1", []), ("2", ["--step-hlo-only"])):
+        out = tmp_path / f"dp{seed}.json"
+        env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2", "JAX_PLATFORMS": "cpu", "PYTHONHASHSEED": seed}
+        r = subprocess.run([sys.executable, "-P", probe, str(out), *extra], env=env, capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        reports.append(json.loads(out.read_text()))
+    report, hlo_only = reports
+    assert report.pop("set_order") != hlo_only.pop("set_order")  # the two processes order sets of names differently
+    assert set(report) == set(hlo_only) == {"w4-experts-w2", "w2-alg-ext"}
     for name, rep in report.items():
+        assert len(rep["step_hlo"]) == 1 and rep["step_hlo"] == hlo_only[name]["step_hlo"], name
         one, two = rep["init_loss"]
         assert abs(one - two) <= 1e-6 * abs(one), (name, one, two)
         assert rep["codes_differing"] <= 0.003 * rep["codes"], (name, rep)

@@ -355,8 +355,11 @@ class AutoRound:
         graphdef, state = nnx.split(layer)
         # stacked experts split over the devices: each quantize-dequantizes and updates only its slice (their qdq,
         # gradients and rounding parameters grow with E; replicated, every device would repeat all of it)
-        sharded = frozenset() if mesh is None else frozenset(
-            u.name for u, _ in tun if u.experts and self.mcfg.num_experts % mesh.size == 0)
+        # (a sorted tuple, not a set: the step's program follows its order, and a set of strings iterates in an order
+        # that changes with each process's string hashing — the same step then missed the persistent compilation
+        # cache in about every other run)
+        sharded = () if mesh is None else tuple(sorted(
+            u.name for u, _ in tun if u.experts and self.mcfg.num_experts % mesh.size == 0))
         step = _make_step(graphdef, tuple(tun), tuple(units), filter_top, n_valid, cfg.scale_dtype,
                           tuple(sorted((u.name, self._alpha_max(s)) for u, s in tun)), tuple(sorted(lrs.items())),
                           cfg.iters, mesh, sharded)
@@ -492,7 +495,7 @@ def _optimizer(lrs: tuple, iters: int) -> optax.GradientTransformation:
 
 
 def block_loss(graphdef, tun_schemes: dict[str, Scheme], units: tuple, *, filter_top: bool, scale_dtype: str,
-               axis: str | None = None, sharded: frozenset = frozenset()):
+               axis: str | None = None, sharded: tuple[str, ...] = ()):
     """The tuning loss of one block as a function of its rounding parameters.
 
     ``loss(params, state, weights, consts, fixed, x, ref, ctx, mask)``: every tunable unit's weight is replaced by
@@ -535,7 +538,7 @@ def block_loss(graphdef, tun_schemes: dict[str, Scheme], units: tuple, *, filter
 
 @functools.lru_cache(maxsize=64)
 def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max, lrs, iters, mesh=None,
-               sharded: frozenset = frozenset()):
+               sharded: tuple[str, ...] = ()):
     """The jitted ``chunk``-iteration tuning step of one block structure (cached: identical layers share it).
 
     Carry: (params, opt_state, best loss, best params, iteration, best iteration); ``idxs [k, B]`` are the
@@ -585,7 +588,7 @@ def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max
                                  in_specs=(carry, P(None, DATA), *args)))
 
 
-def _step_specs(tunable, units, sharded: frozenset) -> tuple[tuple, tuple]:
+def _step_specs(tunable, units, sharded: tuple[str, ...]) -> tuple[tuple, tuple]:
     """The data-parallel step's partition specs, ``(carry, operands after the indices)``, for the step's ``shard_map``
     and for placing its operands: a unit in ``sharded`` has its ``params`` / ``consts`` / ``fixed`` split over
     :data:`DATA` along the leading expert axis, everything else is replicated. ``tunable``, ``units``: unit names."""
