@@ -71,16 +71,23 @@ def _memory_maps() -> int:
 # Every executable XLA:CPU compiles holds ~3 memory mappings per kernel (a model forward ≈ 440, a generate ≈ 1,000),
 # and jax keeps them all in its caches. A test worker that runs a few hundred model programs reaches the kernel's
 # vm.max_map_count (65,530): the next compile or cache write then crashes the worker with a segfault (seen twice in
-# full runs, in backend_compile_and_load and in executable.serialize), and pytest-xdist hangs on the lost worker. So
-# each test module's programs are dropped when it ends (the persistent cache makes the next module's recompiles
-# cheap), and a test that leaves more than MAX_MAPS mappings behind drops them at once.
+# full runs, in backend_compile_and_load and in executable.serialize), and pytest-xdist hangs on the lost worker. So a
+# test that leaves more than MAX_MAPS mappings behind drops all compiled programs. (Until 2026-12-05 every module's
+# programs were also dropped when it ended: the next module then traced and compiled again even the programs it
+# shared with the last one, such as the eager operations' small programs, which the persistent cache does not keep.)
 MAX_MAPS = 30_000
+
+# Python's full (generation-2) collections scan every live object; with torch, transformers and jax loaded a worker
+# holds ~0.5–1 million, and a full collection triggered in the middle of tracing a model took 0.3–0.5 s
+# (tests/test_generate.py, test_loading.py, test_compare.py: 10–12 s of each worker's 260 s). The automatic ones are
+# turned off; the young generations still collect as usual, and the fixtures below collect in full after each module
+# and whenever the memory maps are dropped.
+gc.set_threshold(700, 10, 1_000_000)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _drop_compiled_programs_after_each_module():
+def _collect_after_each_module():
     yield
-    jax.clear_caches()
     gc.collect()
 
 
