@@ -55,10 +55,8 @@ def _stop(report) -> None:
 def _recording_steps(hashes: list, stop: bool):
     """``driver._make_step`` whose steps record the hash of their lowered program on each call (and, with ``stop``,
     end the run there instead of tuning)."""
-    make = driver._make_step
-
     def wrapped(*a, **kw):
-        fn = make(*a, **kw)
+        fn = make_step(*a, **kw)
 
         def call(*args):
             hashes.append(hashlib.sha256(fn.lower(*args).as_text().encode()).hexdigest())
@@ -87,7 +85,8 @@ def main(out_path: str, step_hlo_only: bool = False) -> None:
                 ar.run()
             except _FirstBlockDone:  # later blocks start from different streams: block 0 is the comparison
                 pass
-            runs[label] = (ar.results[0] if ar.results else None, ar.reports[0] if ar.reports else None)
+            if not step_hlo_only:
+                runs[label] = (ar.results[0], ar.reports[0])
         driver._make_step = make_step
         report[name] = {"step_hlo": hashes}
         if step_hlo_only:

@@ -38,6 +38,10 @@ from qjax.evaluation.torch_reference import float64_everywhere
 NORM_NOISE_STD = 0.3
 # Stddev of the random tensors invented for `mtp.*` and `model.visual.*`.
 RANDOM_STD = 0.1
+# |qjax − transformers| logits in float32 where no truth is computed (the MTP head, composed by hand; a child process
+# with other XLA flags; images): each side's error against the truth is ≤ 6e-5 (qjax) and ≤ 1.8e-4 (transformers) on
+# these configs, so their difference is below 2.4e-4
+FLOAT32_PARITY_TOL = 2.4e-4
 
 LIN, FULL = "linear_attention", "full_attention"
 
