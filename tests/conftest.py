@@ -18,9 +18,16 @@ xla_env.apply(single_threaded=True)
 # tests/test_compare.py: 239 -> 193 s). They do change the optimised HLO a little (a 4-layer model: 597 instead of
 # 682 fusions, scatters expanded into loops), so tests/test_xla_env.py checks once, in a child process with the
 # library's flags alone, that the model computes what the suite checks.
-for _flag, _value in (("xla_backend_optimization_level", "0"), ("xla_llvm_disable_expensive_passes", "true"),
-                      ("xla_cpu_use_fusion_emitters", "false")):
-    if _flag not in os.environ.get("XLA_FLAGS", ""):
+# XLA aborts the whole process on a flag it does not know, and jaxlib 0.11 no longer has the legacy emitters'
+# switch ("Unknown flag in XLA_FLAGS: --xla_cpu_use_fusion_emitters=false" at the first computation, checked with
+# jaxlib 0.11.2): each flag names the first jaxlib minor version without it.
+from importlib.metadata import version as _version  # noqa: E402
+
+_JAXLIB = tuple(int(p) for p in _version("jaxlib").split(".")[:2])
+for _flag, _value, _gone in (("xla_backend_optimization_level", "0", None),
+                             ("xla_llvm_disable_expensive_passes", "true", None),
+                             ("xla_cpu_use_fusion_emitters", "false", (0, 11))):
+    if _flag not in os.environ.get("XLA_FLAGS", "") and (_gone is None or _JAXLIB < _gone):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
 
 import atexit  # noqa: E402
