@@ -29,17 +29,19 @@ from . import blocks
 def dequantize_result(r, dtype) -> jnp.ndarray:
     """What the packed model computes for a unit: ``[*lead, out, in]`` in ``dtype`` (fp32 math, rounded to the
     scale dtype first, as compressed-tensors and qjax's kernels decompress)."""
+    # the casts in numpy (ml_dtypes rounds to nearest even, as XLA does): as jnp operations they were two small
+    # programs per unit shape, compiled in the first block of each kind
     if r.scheme.is_mxfp8:
         v = np.asarray(r.packed).astype(np.float32)
         s = np.repeat(e8m0_to_float32(np.asarray(r.scale)), 32, axis=-1)
-        return jnp.asarray(v * s).astype(jnp.bfloat16).astype(dtype)
+        return jnp.asarray((v * s).astype(jnp.bfloat16).astype(jnp.dtype(dtype)))
     k = r.in_features
     q = unpack_int32(np.asarray(r.packed), r.scheme.bits, k).astype(np.float32)
     g = k if r.scheme.group_size == -1 else r.scheme.group_size
     if r.zp is not None:
         q = q - np.repeat(np.asarray(r.zp, np.float32), g, axis=-1)
     w = q * np.repeat(np.asarray(r.scale, np.float32), g, axis=-1)
-    return jnp.asarray(w).astype(jnp.dtype(r.scale_dtype)).astype(dtype)
+    return jnp.asarray(w.astype(jnp.dtype(r.scale_dtype)).astype(jnp.dtype(dtype)))
 
 
 def _module_entries(module: str, r, scale_dtype: str) -> dict[str, tuple]:

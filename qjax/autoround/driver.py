@@ -204,7 +204,10 @@ class AutoRound:
         """The step context (RoPE tables, masks) of a ``[b, seqlen]`` batch, built once per batch size."""
         if b not in self._ctxs:
             t = self.ids.shape[1]
-            self._ctxs[b], _ = self.model.step_context(jnp.zeros((b, t), jnp.int32), None, None, None)
+            # one program: built op by op it was ~25 small ones per batch size, each traced, lowered and compiled
+            # (or loaded from the persistent cache) in the first block
+            build = jax.jit(lambda ids: self.model.step_context(ids, None, None, None)[0])
+            self._ctxs[b] = build(jnp.zeros((b, t), jnp.int32))
         return self._ctxs[b]
 
     def _forward(self, layer, h: jnp.ndarray) -> jnp.ndarray:
@@ -341,7 +344,7 @@ class AutoRound:
     def _tune(self, i, layer, units, weights, consts, params, x_in, fp_out):
         cfg = self.cfg
         tun = [(u, s) for u, s in units if u.name in params]
-        fixed = {u.name: blocks.unit_weight(weights, u) for u, s in units}
+        fixed = _unit_weights_fn(tuple(u for u, _ in units))(weights)
         lrs = {u.name: self._lr(s) for u, s in tun}
         opt_state = _optimizer(tuple(sorted(lrs.items())), cfg.iters).init(params)
         n, t = x_in.shape[:2]
@@ -349,7 +352,9 @@ class AutoRound:
         mesh = self.mesh
         local = sampler.batch // (1 if mesh is None else mesh.size)  # samples per device
         ctx = self._ctx(local)
-        mask = jnp.ones((local, t, 1), jnp.float32).at[:, -1].set(0.0)  # auto-round masks each sample's last position
+        mask = np.ones((local, t, 1), np.float32)
+        mask[:, -1] = 0.0  # auto-round masks each sample's last position
+        mask = jnp.asarray(mask)  # (built in numpy: a transfer, not three small programs)
         n_valid = float(sampler.batch * (t - 1))
         filter_top = cfg.enable_alg_ext and cfg.bits < 4
         graphdef, state = nnx.split(layer)
@@ -432,6 +437,13 @@ class AutoRound:
     def quantized_model(self):
 
         return build_quantized_model(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_weights_fn(units: tuple):
+    """``weights → {unit: [*lead, out, in]}`` in one program per block structure (gate and up cut out of the fused
+    experts' weight; op by op these were small programs of their own in the first block of each kind)."""
+    return jax.jit(lambda weights: {u.name: blocks.unit_weight(weights, u) for u in units})
 
 
 @functools.lru_cache(maxsize=64)
