@@ -184,6 +184,30 @@ def test_scan_keeps_program_size_independent_of_depth():
     assert sizes[0] == sizes[1]
 
 
+@pytest.mark.parametrize("b, t, c, k", [(2, 7, 5, 4), (1, 1, 3, 4), (3, 9, 6, 2)])
+def test_conv1d_gradients_equal_autodiff_of_its_taps(b, t, c, k, x64):
+    """The GDN conv's own backward (one tap per loop step) gives the gradients autodiff gives for the plain sum of
+    shifted taps, for the input, the previous window and the weight (float64: equal to summation-order rounding)."""
+    from qjax.model.qwen3_5_moe import Conv1d
+
+    jax.config.update("jax_enable_x64", True)  # (the x64 fixture switches it back afterwards)
+    conv = Conv1d(c, k, dtype=jnp.float64, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(conv)
+    rng = np.random.default_rng(b * 100 + t)
+    x, window, r = (jnp.asarray(rng.normal(size=shape)) for shape in ((b, t, c), (b, k - 1, c), (b, t, c)))
+
+    def model(state, x, window):
+        return jnp.sum(nnx.merge(graphdef, state)(x, window)[0] * r)
+
+    def taps(state, x, window):
+        xc, w = jnp.concatenate([window, x], axis=1), state["weight"][...][:, 0, :]
+        return jnp.sum(sum(xc[:, i:i + t] * w[:, i] for i in range(k)) * r)
+
+    got, want = (jax.grad(f, argnums=(0, 1, 2))(state, x, window) for f in (model, taps))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-13, atol=1e-13)
+
+
 def test_bf16_is_as_accurate_as_transformers_bf16(tiny_hf):
     """bf16 against the fp32 reference on 256-token random prompts: RMS logit error ≤ 1.5× transformers-bf16's and
     top-1 agreement no more than 2 points below it (exact bf16 parity is meaningless: routing flips).

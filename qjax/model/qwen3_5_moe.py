@@ -143,6 +143,42 @@ def attention(q, k, v, ctx: StepContext) -> jnp.ndarray:
 # ---------------------------------------------------------------------------------------------------------------------
 # Gated DeltaNet (docs/model.md §2.5)
 # ---------------------------------------------------------------------------------------------------------------------
+@jax.custom_vjp
+def _causal_taps(xc: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+    """``y[b, t, c] = Σ_i xc[b, t + i, c] · w[c, i]`` for ``xc [B, K-1+T, C]``, ``w [C, K]`` → ``[B, T, C]``."""
+    t = xc.shape[1] - w.shape[1] + 1
+    return sum(xc[:, i:i + t] * w[:, i] for i in range(w.shape[1]))
+
+
+def _causal_taps_fwd(xc, w):
+    return _causal_taps(xc, w), (xc, w)
+
+
+def _causal_taps_bwd(res, g):
+    # One tap per loop iteration, so that the cotangent g is a loop operand: computed once, into memory. Autodiff's
+    # backward read g at K shifts (and K more times for dw) in fusions that XLA:CPU fed by fusing in the elementwise
+    # chain producing g (bf16 round trips, SiLU's backward), recomputed at every read: 10 % of a bf16 GDN layer's
+    # AutoRound iteration. (An optimization barrier does not stop it: XLA:CPU drops barriers before fusing. A
+    # depthwise convolution is 30× slower than the taps there.)
+    xc, w = res
+    t = g.shape[1]
+
+    def tap(i, carry):
+        dxc, dw = carry
+        w_i = jax.lax.dynamic_index_in_dim(w, i, axis=1, keepdims=False)  # [C]
+        window = jax.lax.dynamic_slice_in_dim(xc, i, t, axis=1)  # [B, T, C]
+        dxc = jax.lax.dynamic_update_slice_in_dim(dxc, jax.lax.dynamic_slice_in_dim(dxc, i, t, axis=1) + g * w_i,
+                                                  i, axis=1)
+        dw = jax.lax.dynamic_update_index_in_dim(dw, jnp.sum(g * window, axis=(0, 1)), i, axis=1)
+        return dxc, dw
+
+    dxc, dw = jax.lax.fori_loop(0, w.shape[1], tap, (jnp.zeros(xc.shape, g.dtype), jnp.zeros(w.shape, g.dtype)))
+    return dxc.astype(xc.dtype), dw.astype(w.dtype)
+
+
+_causal_taps.defvjp(_causal_taps_fwd, _causal_taps_bwd)
+
+
 class Conv1d(nnx.Module):
     """Causal depthwise conv, no bias; ``weight [C, 1, K]`` as HF stores it."""
 
@@ -156,7 +192,6 @@ class Conv1d(nnx.Module):
         ``span [B]``: the new window ends after the first ``span[b]`` inputs of row b (its last real token: right
         padding stays out of it, and a row with no real token keeps its window); None: after all T."""
         kernel = self.weight.shape[-1]
-        t = x.shape[1]
         xc = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
         acc = accum_dtype(x.dtype)
         w = self.weight[...][:, 0, :].astype(acc)  # [C, K]
@@ -164,7 +199,7 @@ class Conv1d(nnx.Module):
         # step) sums the taps' cotangents in fp32 and rounds once, where per-tap converts made XLA fuse a chain of
         # bf16 round trips it recomputed for every tap (11 % of a bf16 GDN layer's tuning iteration)
         xc32 = xc.astype(acc)
-        y = sum(xc32[:, i:i + t] * w[:, i] for i in range(kernel))
+        y = _causal_taps(xc32, w)
         if span is None:
             new_window = xc[:, xc.shape[1] - (kernel - 1):]
         else:
