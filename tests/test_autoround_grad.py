@@ -93,8 +93,8 @@ def test_gradient_through_a_layer_matches_torch(models, layer_index):
                          filter_top=False, scale_dtype="float16")
     ctx, _ = model.step_context(jnp.zeros((B, T), jnp.int32), None, None, None)
     # jitted: op by op, the GDN layer's gradient compiled ~1,300 small programs (31 -> 7 s; the errors below the same)
-    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, state, weights, consts, fixed, jnp.asarray(x), jnp.asarray(ref),
-                                              ctx, jnp.asarray(mask))
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, state, weights, consts, fixed, jnp.asarray(x),
+                                                       jnp.asarray(ref), ctx, jnp.asarray(mask))
 
     # torch: the same layer with every unit's weight replaced by auto-round's qdq of it
     hf_layer = hf.model.layers[layer_index]

@@ -33,7 +33,6 @@ def _inputs(b, t, hk, hv, dk, dv, seed):
 
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 77, 130])
 @pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_chunked_equals_recurrent(t, with_state):
     q, k, v, g, beta, s0 = _inputs(2, t, 2, 4, 16, 12, seed=t)
     init = jnp.asarray(s0) if with_state else None
@@ -55,7 +54,6 @@ def test_unit_lower_inverse(c):
         unit_lower_inverse(jnp.eye(6))
 
 
-@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_chunked_gradient_matches_recurrent():
     """AutoRound and training differentiate the chunked form: its gradient must be the recurrence's."""
     q, k, v, g, beta, s0 = _inputs(1, 70, 2, 4, 8, 8, seed=3)
@@ -89,7 +87,6 @@ def test_against_transformers_reference():
     assert np.abs(np.asarray(s_c) - s_ch.numpy()).max() <= 1e-5
 
 
-@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_zero_beta_and_decay_steps_leave_state_unchanged():
     """Padding is β = g = 0 (and zero q/k/v): the state passes through untouched in both forms."""
     q, k, v, g, beta, s0 = _inputs(1, 70, 2, 4, 8, 8, seed=1)
@@ -102,7 +99,6 @@ def test_zero_beta_and_decay_steps_leave_state_unchanged():
 
 
 @pytest.mark.parametrize("t", [63, 65, 130])
-@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_chunked_equals_recurrent_in_float64(t, x64):
     jax.config.update("jax_enable_x64", True)
     q, k, v, g, beta, s0 = _inputs(2, t, 3, 6, 12, 20, seed=t)
@@ -114,7 +110,6 @@ def test_chunked_equals_recurrent_in_float64(t, x64):
     assert np.abs(np.asarray(s_r) - np.asarray(s_c)).max() <= 1e-12
 
 
-@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_chunked_float32_as_accurate_as_the_recurrence(x64):
     """The in-chunk decays exp(γ_i − γ_j) from a two-float cumulative sum: with one float32 cumsum, strongly decaying
     heads (|γ| in the tens) made the chunked output 10× further from the float64 truth than the recurrence (measured
