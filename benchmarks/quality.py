@@ -28,7 +28,7 @@ Also (issue 5, qjax only, ``--schemes``): uniform W4G128 and W2G64 with RTN / op
 AutoRound perplexity < RTN perplexity; W4G128 AutoRound within 5 % of BF16.
 
     python benchmarks/quality.py [--iters 200 --nsamples 128 --seqlen 256 --batch-size 8] [--schemes W4G128,W2G64]
-                                 [--skip-auto-round] [--no-write]
+                                 [--methods RTN,opt-RTN,AutoRound,AutoRound+alg_ext] [--skip-auto-round] [--no-write]
 
 Writes (replaces) the section ``## Quantization quality on the built-in model (issues 5, 24)`` of RESULTS.md.
 """
@@ -126,8 +126,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--schemes", default=",".join(SCHEMES), help="issue 5's qjax-only schemes; '' skips them")
     ap.add_argument("--skip-auto-round", action="store_true", help="qjax rows only (no auto-round installed)")
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"seed 000 quantizers to run, of {', '.join(METHODS)} (a subset replaces the whole table)")
+    ap.add_argument("--no-write", action="store_true", help="print the section instead of writing RESULTS.md")
     a = ap.parse_args(argv)
+    methods = [m for m in a.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        ap.error(f"--methods: unknown {', '.join(unknown)} (known: {', '.join(METHODS)})")
 
     import qjax
     from qjax.autoround.data import calibration_ids, load_tokenizer
@@ -147,9 +153,9 @@ def main(argv=None) -> int:
     bf16 = ppl(model)
     print(f"BF16 held-out ppl {bf16:.3f}", flush=True)
     common = dict(iters=a.iters, nsamples=a.nsamples, seqlen=a.seqlen, batch_size=a.batch_size)
-    jobs = [("seed 000", m, "qjax") for m in METHODS]
+    jobs = [("seed 000", m, "qjax") for m in methods]
     if not a.skip_auto_round:
-        jobs += [("seed 000", m, "auto-round") for m in METHODS]
+        jobs += [("seed 000", m, "auto-round") for m in methods]
     jobs += [(s, m, "qjax") for s in filter(None, a.schemes.split(",")) for m in SCHEME_METHODS]
     rows, blocks = [], {}
     t_all = time.perf_counter()
@@ -179,7 +185,7 @@ def main(argv=None) -> int:
 
     by = {(r[0], r[1], r[2]): r[4] for r in rows}
     verdicts = []
-    for method in ("AutoRound", "AutoRound+alg_ext"):
+    for method in [m for m in ("AutoRound", "AutoRound+alg_ext") if m in methods]:
         ar_ = by.get(("seed 000", method, "auto-round"))
         q = by[("seed 000", method, "qjax")]
         if ar_ is None:
@@ -206,7 +212,7 @@ def main(argv=None) -> int:
              "| matrices quantized (qjax / auto-round) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     full = {(r[1], r[2]): r for r in rows if r[0] == "seed 000"}
-    for method in METHODS:
+    for method in methods:
         q, ar_ = full[(method, "qjax")], full.get((method, "auto-round"))
         arc = (f"{ar_[4]:.3f} | {ar_[4] / bf16:.4f}", f"{ar_[5]:.0f}", f"{ar_[6]}") if ar_ else ("- | -", "-", "-")
         lines.append(f"| {method} | {q[3]} | {q[4]:.3f} | {q[4] / bf16:.4f} | {arc[0]} | {q[5]:.0f} | {arc[1]} | "
@@ -252,7 +258,9 @@ def main(argv=None) -> int:
         for scheme, method, _, iters, p, secs, mats in scheme_rows:
             lines.append(f"| {scheme} | {method} | {iters} | {p:.3f} | {p / bf16:.3f} | {secs:.0f} | {mats} |")
         lines += [""] + [f"- {c}" for c in checks] + [""]
-    if not a.no_write:
+    if a.no_write:
+        print("\n".join(lines))
+    else:
         write_section("\n".join(lines), RESULTS, SECTION)
         print(f"wrote {RESULTS}")
     return 0
