@@ -17,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from . import stacks
 from .dispatch import resolve
 from .precision import accum_dtype, dot_precision
 from .quant_meta import QuantMeta
@@ -144,13 +145,14 @@ def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta) -> jnp.ndarray
 def dequantize_experts(packed, scale, zero, meta: QuantMeta, idx: jnp.ndarray | None, dtype) -> jnp.ndarray:
     """Dense ``[E or idx.shape…, N, K]`` weights of the experts in ``idx`` (all experts when None)."""
     if idx is not None:
+        # one expert (a scalar id): a dynamic slice; several: a gather
+        pick = (lambda a: stacks.take(a, idx)) if jnp.ndim(idx) == 0 else (lambda a: a[idx])
         if jnp.issubdtype(packed.dtype, jnp.floating) and packed.dtype.itemsize == 1:
             # gather float8 as bytes: XLA:CPU otherwise converts the whole [E, …] stack to float32 before the
             # gather, on every call (MXFP8 decode was 4× slower than INT2 on the CPU for it)
-            raw = jax.lax.bitcast_convert_type(packed, jnp.uint8)[idx]
-            packed = jax.lax.bitcast_convert_type(raw, packed.dtype)
+            packed = jax.lax.bitcast_convert_type(pick(jax.lax.bitcast_convert_type(packed, jnp.uint8)), packed.dtype)
         else:
-            packed = packed[idx]
-        scale = None if scale is None else scale[idx]
-        zero = None if zero is None else zero[idx]
+            packed = pick(packed)
+        scale = None if scale is None else pick(scale)
+        zero = None if zero is None else pick(zero)
     return dequantize(packed, scale, zero, meta, dtype)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from qjax.kernels import accum_dtype
+from qjax.kernels import accum_dtype, stacks
 from qjax.model.config import FULL, TextConfig
 
 
@@ -164,13 +164,6 @@ def scatter_rows(x: jnp.ndarray, rows: Rows, value: jnp.ndarray) -> jnp.ndarray:
     return x.at[rows].set(value, mode="drop")
 
 
-def _start(group, ndim: int) -> tuple:
-    """``(group, 0, …)`` all int32: with JAX's x64 mode on (a float64 model), Python zeros would be int64 next to the
-    int32 group index, which dynamic slices refuse."""
-    group = jnp.asarray(group, jnp.int32)
-    return (group,) + (jnp.zeros((), jnp.int32),) * (ndim - 1)
-
-
 def read_layer(stack: jnp.ndarray, group, rows: Rows, slots: int | None = None) -> jnp.ndarray:
     """Layer ``group`` of a ``[G, B, …]`` cache stack at ``rows`` → ``[b, …]``; ``slots``: of a K/V stack
     ``[G, B, H, S, D]`` only the first ``slots`` slots. An index array is one gather of just those rows (slicing the
@@ -182,7 +175,7 @@ def read_layer(stack: jnp.ndarray, group, rows: Rows, slots: int | None = None) 
             size[1] = rows
         if slots is not None:
             size[3] = slots
-        return jax.lax.dynamic_slice(stack, _start(group, stack.ndim), size)[0]
+        return jax.lax.dynamic_slice(stack, stacks.start(group, stack.ndim), size, allow_negative_indices=False)[0]
     if slots is None:
         return stack.at[group, rows].get(mode="clip")
     return stack.at[group, rows, :, :slots].get(mode="clip")
@@ -192,7 +185,7 @@ def write_layer(stack: jnp.ndarray, group, rows: Rows, value: jnp.ndarray) -> jn
     """``stack [G, B, …]`` with layer ``group``'s ``rows`` replaced by ``value [b, …]`` (in place under jit)."""
     value = value.astype(stack.dtype)
     if rows is None or isinstance(rows, int):
-        return jax.lax.dynamic_update_slice(stack, value[None], _start(group, stack.ndim))
+        return stacks.put(stack, group, value)
     return stack.at[group, rows].set(value, mode="drop")
 
 
