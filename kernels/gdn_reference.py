@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import stacks
+from . import indexing
 from .precision import accum_dtype
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -87,8 +87,8 @@ def gated_delta_step_reference(q, k, v, g, beta, state, layer=None):
     ``layer``: ``state`` is a ``[L, B, Hv, Dk, Dv]`` stack of layers' states and this is layer ``layer`` (int32, may
     be traced); the whole stack is returned with that layer's state replaced.
     """
-    s0 = state if layer is None else stacks.take(state, layer)
+    s0 = state if layer is None else indexing.take(state, layer)
     o, s = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], s0)
     if layer is not None:
-        s = stacks.put(state, layer, s)
+        s = indexing.put(state, layer, s)
     return o[:, 0], s

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from .indexing import gather, put, take
 from .precision import accum_dtype, dot_precision, silu
 from .qmatmul_reference import dequantize_experts
 from .quant_meta import QuantMeta
@@ -68,7 +69,7 @@ def experts_grouped(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     flat = jnp.where(valid, flat, num_experts)  # dropped slots sort last, in no group (ragged_dot gives 0 there)
     order = jnp.argsort(flat, stable=True)
     token = order // k
-    xs = x[token]  # [N·k, H] sorted by expert
+    xs = gather(x, token)  # [N·k, H] sorted by expert
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     precision, acc_dtype = dot_precision(x.dtype), accum_dtype(x.dtype)
     # contract lhs dim 1 with the stored "in" dim (2) of [E, out, in]; rhs dim 0 is the group dim
@@ -80,7 +81,7 @@ def experts_grouped(x, idx, weights, gate_up: WeightFn, down: WeightFn, num_expe
     act = (silu(gu[:, :inter]) * gu[:, inter:]).astype(x.dtype)
     out = jax.lax.ragged_dot_general(act, down(None).astype(x.dtype), sizes, dn, precision=precision,
                                      preferred_element_type=acc_dtype)
-    w_sorted = jnp.where(valid[order], weights.reshape(-1)[order].astype(acc_dtype), 0.0)
+    w_sorted = jnp.where(gather(valid, order), gather(weights.reshape(-1), order).astype(acc_dtype), 0.0)
     return jnp.zeros((n, x.shape[1]), acc_dtype).at[token].add(out * w_sorted[:, None])
 
 
@@ -119,9 +120,9 @@ def _block_layout(idx: jnp.ndarray, num_experts: int, sizes: tuple[int, ...] | N
     flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # dropped slots: sorted last, no row
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts)
-    e_sorted = flat[order]
+    e_sorted = gather(flat, order)
     e_safe = jnp.minimum(e_sorted, num_experts - 1)
-    local = jnp.arange(s) - (jnp.cumsum(sizes) - sizes)[e_safe]  # a slot's place in its expert's run
+    local = jnp.arange(s) - gather(jnp.cumsum(sizes) - sizes, e_safe)  # a slot's place in its expert's run
     # block sizes are powers of two and every count here is ≥ 0: rounding by masks and shifts, not jnp's floor
     # division, whose sign fix-ups made the layout take a third longer to compile
     rest = (sizes + (unit - 1)) & -unit  # rows each expert still has to place, padding included
@@ -133,23 +134,24 @@ def _block_layout(idx: jnp.ndarray, num_experts: int, sizes: tuple[int, ...] | N
         # (large / small − 1) blocks per expert at most, what is left under one large block
         nb = max(1, (s + num_experts * (unit - 1)) // block)
         if i == 0:
-            take = rest & -block
+            n_take = rest & -block
         elif i < len(sizes_b) - 1:
-            take, nb = jnp.where(rest >= block, block, 0), min(nb, num_experts)
+            n_take, nb = jnp.where(rest >= block, block, 0), min(nb, num_experts)
         else:
-            take = rest
+            n_take = rest
             nb = min(nb, num_experts * (sizes_b[i - 1] // block - 1))
-        ends = jnp.cumsum(take)
-        starts = ends - take
-        mine = (e_sorted < num_experts) & (local >= skip[e_safe]) & (local < skip[e_safe] + take[e_safe])
-        dest = jnp.where(mine, starts[e_safe] + local - skip[e_safe], nb * block)
+        ends = jnp.cumsum(n_take)
+        starts = ends - n_take
+        skip_e = gather(skip, e_safe)
+        mine = (e_sorted < num_experts) & (local >= skip_e) & (local < skip_e + gather(n_take, e_safe))
+        dest = jnp.where(mine, gather(starts, e_safe) + local - skip_e, nb * block)
         rows = jnp.full((nb * block,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
         # compare_all: an [nb, E] comparison, which compiles to one fusion where the default binary search is a loop
         blk_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * block, side="right", method="compare_all"),
                                  num_experts - 1)
         used = jnp.right_shift(ends[-1], block.bit_length() - 1)
         out.append((rows, blk_expert.astype(jnp.int32), used.astype(jnp.int32)))
-        rest, skip = rest - take, skip + take
+        rest, skip = rest - n_take, skip + n_take
     return tuple(out)
 
 
@@ -175,8 +177,8 @@ def _scan_blocks(x, blocks: Blocks, gate_up: WeightFn, down: WeightFn) -> tuple[
 
         # (the closures below are traced at once, inside this iteration: no late binding of the loop variables)
         def run(b):
-            e = blk_expert[b]
-            return _swiglu_block(x[jax.lax.dynamic_slice_in_dim(token, b * block, block)], gate_up(e), down(e))
+            e = take(blk_expert, b)
+            return _swiglu_block(gather(x, jax.lax.dynamic_slice_in_dim(token, b * block, block)), gate_up(e), down(e))
 
         def step(carry, b):
             return carry, jax.lax.cond(b < used, run, lambda b: jnp.zeros((block, h), accum_dtype(x.dtype)), b)
@@ -192,7 +194,7 @@ def _scan_blocks_dense(x, blocks: Blocks, w_gu, w_dn):
     ``[E, 2I, H]`` stack and sums the stacks (cost ∝ blocks × E: an AutoRound iteration of the ``mid`` layer at 32
     experts took 993 instead of 551 ms); here a loop over the used blocks adds each block's gradient into its
     expert's slice in place, and the other blocks cost nothing."""
-    return _scan_blocks(x, blocks, lambda e: w_gu[e], lambda e: w_dn[e])
+    return _scan_blocks(x, blocks, lambda e: take(w_gu, e), lambda e: take(w_dn, e))
 
 
 def _scan_blocks_dense_fwd(x, blocks, w_gu, w_dn):
@@ -211,17 +213,16 @@ def _scan_blocks_dense_bwd(res, gs):
 
         def body(b, carry):
             d_gu, d_dn, dxs = carry
-            e = blk_expert[b]
-            w_gu_e, w_dn_e = (jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in (w_gu, w_dn))
+            e = take(blk_expert, b)
+            w_gu_e, w_dn_e = take(w_gu, e), take(w_dn, e)
             rows = jax.lax.dynamic_slice_in_dim(token, b * block, block)
-            _, vjp = jax.vjp(_swiglu_block, x[rows], w_gu_e, w_dn_e)
-            dxb, dgu_e, ddn_e = vjp(jax.lax.dynamic_index_in_dim(g, b, keepdims=False))
+            _, vjp = jax.vjp(_swiglu_block, gather(x, rows), w_gu_e, w_dn_e)
+            dxb, dgu_e, ddn_e = vjp(take(g, b))
 
             def add(d, v):
-                cur = jax.lax.dynamic_index_in_dim(d, e, keepdims=False)
-                return jax.lax.dynamic_update_index_in_dim(d, cur + v.astype(acc), e, 0)
+                return put(d, e, take(d, e) + v.astype(acc))
 
-            return add(d_gu, dgu_e), add(d_dn, ddn_e), jax.lax.dynamic_update_index_in_dim(dxs, dxb.astype(acc), b, 0)
+            return add(d_gu, dgu_e), add(d_dn, ddn_e), put(dxs, b, dxb)
 
         # a while loop over the used blocks only (reverse mode never differentiates this backward pass); the weight
         # gradients run through every block size's loop, so no second E-sized stack is summed
@@ -258,7 +259,7 @@ def experts_blocked(x, idx, weights, gate_up: WeightFn | jnp.ndarray, down: Weig
     acc_dtype = accum_dtype(x.dtype)
     y = jnp.zeros((n, x.shape[1]), acc_dtype)
     for (rows, _, _), (token, _, _), out in zip(layout, blocks, outs):
-        w = jnp.where(rows >= 0, weights.reshape(-1)[jnp.maximum(rows, 0)].astype(acc_dtype), 0.0)
+        w = jnp.where(rows >= 0, gather(weights.reshape(-1), jnp.maximum(rows, 0)).astype(acc_dtype), 0.0)
         y = y.at[token].add(out * w[:, None])
     return y
 
@@ -267,7 +268,7 @@ def as_weight_fn(w: WeightFn | jnp.ndarray) -> WeightFn:
     """A :data:`WeightFn` of a dense ``[E, out, in]`` stack (a WeightFn is returned as it is)."""
     if callable(w):
         return w
-    return lambda sel: w if sel is None else w[sel]
+    return lambda sel: w if sel is None else (take(w, sel) if jnp.ndim(sel) == 0 else gather(w, sel))
 
 
 def routed_experts(x, idx, weights, gate_up: WeightFn | jnp.ndarray, down: WeightFn | jnp.ndarray, *,

@@ -6,7 +6,7 @@ import math
 
 import jax.numpy as jnp
 
-from . import gdn_pallas, moe_pallas, moe_reference, qmatmul_pallas, stacks
+from . import gdn_pallas, indexing, moe_pallas, moe_reference, qmatmul_pallas
 from . import qmatmul_reference as reference
 from .dispatch import resolve
 from .gdn_reference import gated_delta_step_reference
@@ -33,7 +33,7 @@ def matmul(x: jnp.ndarray, w: jnp.ndarray, *, impl: str | None = None, layer=Non
         # XLA, which reads such a small slice inside its own fusion: one kernel instead of a pad copy + the kernel
         if qmatmul_pallas.dense_in_stack_ok(rows, *w.shape[1:], w.dtype, x.dtype):
             return qmatmul_pallas.matmul_pallas(x, w, interpret=which == "interpret", layer=layer)
-    return reference.matmul(x, w if layer is None else stacks.take(w, layer))
+    return reference.matmul(x, w if layer is None else indexing.take(w, layer))
 
 
 def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str | None = None,
@@ -46,7 +46,7 @@ def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str |
     which = resolve(impl, x.dtype)
     if which in ("reference", "xla"):  # the reference already dequantizes the whole weight, then one dot
         if layer is not None:
-            packed, scale, zero = (None if a is None else stacks.take(a, layer) for a in (packed, scale, zero))
+            packed, scale, zero = (None if a is None else indexing.take(a, layer) for a in (packed, scale, zero))
         return reference.qmatmul(x, packed, scale, zero, meta)
 
     return qmatmul_pallas.qmatmul_pallas(x, packed, scale, zero, meta, interpret=which == "interpret", layer=layer)

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import qmatmul_reference as reference
-from . import stacks
+from . import indexing
 from .quant_meta import QuantMeta, dense_meta
 
 __all__ = ["KernelConfig", "choose_config", "dense_meta", "lowering_cases", "matmul_pallas", "qmatmul_pallas",
@@ -393,7 +393,7 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
 
 
 def _layer_of(arrays: tuple, layer) -> tuple:
-    return tuple(None if a is None else stacks.take(a, layer) for a in arrays)
+    return tuple(None if a is None else indexing.take(a, layer) for a in arrays)
 
 
 def _in_stack_ok(meta: QuantMeta, cfg: KernelConfig, scale, zero) -> bool:

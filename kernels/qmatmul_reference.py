@@ -17,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import stacks
+from . import indexing
 from .dispatch import resolve
 from .precision import accum_dtype, dot_precision
 from .quant_meta import QuantMeta
@@ -146,7 +146,7 @@ def dequantize_experts(packed, scale, zero, meta: QuantMeta, idx: jnp.ndarray | 
     """Dense ``[E or idx.shape…, N, K]`` weights of the experts in ``idx`` (all experts when None)."""
     if idx is not None:
         # one expert (a scalar id): a dynamic slice; several: a gather
-        pick = (lambda a: stacks.take(a, idx)) if jnp.ndim(idx) == 0 else (lambda a: a[idx])
+        pick = (lambda a: indexing.take(a, idx)) if jnp.ndim(idx) == 0 else (lambda a: indexing.gather(a, idx))
         if jnp.issubdtype(packed.dtype, jnp.floating) and packed.dtype.itemsize == 1:
             # gather float8 as bytes: XLA:CPU otherwise converts the whole [E, …] stack to float32 before the
             # gather, on every call (MXFP8 decode was 4× slower than INT2 on the CPU for it)

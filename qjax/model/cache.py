@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from qjax.kernels import accum_dtype, stacks
+from qjax.kernels import accum_dtype, indexing
 from qjax.model.config import FULL, TextConfig
 
 
@@ -175,7 +175,7 @@ def read_layer(stack: jnp.ndarray, group, rows: Rows, slots: int | None = None) 
             size[1] = rows
         if slots is not None:
             size[3] = slots
-        return jax.lax.dynamic_slice(stack, stacks.start(group, stack.ndim), size, allow_negative_indices=False)[0]
+        return jax.lax.dynamic_slice(stack, indexing.start(group, stack.ndim), size, allow_negative_indices=False)[0]
     if slots is None:
         return stack.at[group, rows].get(mode="clip")
     return stack.at[group, rows, :, :slots].get(mode="clip")
@@ -185,7 +185,7 @@ def write_layer(stack: jnp.ndarray, group, rows: Rows, value: jnp.ndarray) -> jn
     """``stack [G, B, …]`` with layer ``group``'s ``rows`` replaced by ``value [b, …]`` (in place under jit)."""
     value = value.astype(stack.dtype)
     if rows is None or isinstance(rows, int):
-        return stacks.put(stack, group, value)
+        return indexing.put(stack, group, value)
     return stack.at[group, rows].set(value, mode="drop")
 
 
