@@ -54,8 +54,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import qmatmul_reference as reference
 from . import indexing
+from . import qmatmul_reference as reference
 from .quant_meta import QuantMeta, dense_meta
 
 __all__ = ["KernelConfig", "choose_config", "dense_meta", "lowering_cases", "matmul_pallas", "qmatmul_pallas",

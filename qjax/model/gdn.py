@@ -54,11 +54,12 @@ def cumsum_two_float(g: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     errors kept, ``(hi_i − hi_j) + (lo_i − lo_j)`` is accurate to ulp of the difference itself.
 
     How: ``hi`` is one ordinary cumulative sum (whatever order XLA adds in); step j of it added
-    ``hi_j − hi_{j−1}``, which TwoSum gives exactly as ``s + e``, instead of ``g_j``. ``g_j − s`` is exact (s is
-    within a factor 2 of ``g_j``, Sterbenz) so ``δ_j = (g_j − s) − e`` is what step j lost, and ``lo = cumsum(δ)``
-    (tiny values: its own rounding is negligible). Two cumsum primitives and a few elementwise ops: a double-word
-    ``associative_scan`` (the form before 2026-12-05) unrolled into ~700 traced operations per GDN layer and made
-    the GDN step's forward + backward compile ~1.1 s slower on CPU, for the same run time and accuracy.
+    ``hi_j − hi_{j−1}``, which TwoSum gives exactly as ``s + e``, instead of ``g_j``. ``g_j − s`` is exact
+    whenever s is within a factor 2 of ``g_j`` (Sterbenz; otherwise both are below ulp(hi) and so is its error), so
+    ``δ_j = (g_j − s) − e`` is what step j lost, and ``lo = cumsum(δ)`` (tiny values: its own rounding is
+    negligible). Two cumsum primitives and a few elementwise ops: a double-word ``associative_scan`` (the form
+    before 2026-12-05) unrolled into ~700 traced operations per GDN layer and made the GDN chunk's forward +
+    backward compile ~1.1 s slower on CPU, for the same run time and accuracy.
     """
     hi = jnp.cumsum(g, axis=-1)
     prev = jnp.concatenate([jnp.zeros_like(hi[..., :1]), hi[..., :-1]], axis=-1)
