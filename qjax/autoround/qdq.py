@@ -108,24 +108,25 @@ def _compute_dtype(x: jax.Array) -> jnp.dtype:
 
 
 def _round_to(x: jax.Array, dtype) -> jax.Array:
-    """f32 ``x`` rounded (to nearest even) to the values of ``dtype``, still f32, with integer and exact float ops.
+    """f32 ``x`` rounded (to nearest even) to the values of ``dtype``, still f32.
 
     ``x.astype(bf16).astype(f32)`` is not enough: with XLA's default ``xla_allow_excess_precision`` such a convert
     pair is dropped inside fusions, which silently keeps f32 precision (measured on CPU: 94 of 296 bf16
-    ``search_scales`` groups changed).
+    ``search_scales`` groups changed). XLA's ``reduce-precision`` is an explicit rounding it keeps; it flushes what
+    would be float16 subnormals to zero, so those (|x| < 2^-14, where fp16 scales of ~1e-5 live) are rounded on
+    their fixed grid of 2^-24 instead. Bit-identical to numpy's casts on 2.4 million values from 1e-9 to 7e4 and the
+    edge cases (±0, ±inf, NaN, 65504/65520, the subnormal boundaries); the integer bit manipulation used before
+    traced ~4× the operations (a quarter of the AutoRound step's).
     """
     dt = jnp.dtype(dtype)
     if dt == jnp.dtype(_F32):
         return x
     if dt == jnp.dtype(jnp.bfloat16):
-        u = jax.lax.bitcast_convert_type(x, jnp.uint32)
-        u = (u + jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
-        return jnp.where(jnp.isnan(x), x, jax.lax.bitcast_convert_type(u, _F32))
+        return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
     if dt == jnp.dtype(jnp.float16):
-        # quantum 2^(e - 10), e = exponent clipped at fp16's smallest normal exponent (-14) so subnormals round too
-        q = _pow2(jnp.maximum(_floor_log2(jnp.abs(x)), -14.0) - 10.0)
-        r = jnp.round(x / q) * q
-        return jnp.where(jnp.abs(r) > 65504.0, jnp.copysign(jnp.inf, x), r)
+        subnormal = jnp.round(x * 2.0 ** 24) * 2.0 ** -24  # exact: a power-of-two scaling and an integer
+        normal = jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=10)
+        return jnp.where(jnp.abs(x) < 2.0 ** -14, subnormal, normal)
     raise TypeError(f"unsupported rounding dtype {dt}")
 
 
