@@ -33,6 +33,9 @@ def put(stack: jnp.ndarray, i, value: jnp.ndarray) -> jnp.ndarray:
                                         allow_negative_indices=False)
 
 
-def gather(a: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
-    """``a [S, …]`` → ``a[idx]`` ``[*idx.shape, …]`` for an integer array ``idx`` of entries in ``[0, S)``."""
+def gather(a: jnp.ndarray, idx) -> jnp.ndarray:
+    """``a [S, …]`` → ``a[idx]`` ``[*idx.shape, …]`` for integer ``idx`` of entries in ``[0, S)``: a scalar is one
+    dynamic slice (:func:`take`), an array one gather."""
+    if jnp.ndim(idx) == 0:
+        return take(a, idx)
     return a.at[idx].get(wrap_negative_indices=False)

@@ -268,7 +268,7 @@ def as_weight_fn(w: WeightFn | jnp.ndarray) -> WeightFn:
     """A :data:`WeightFn` of a dense ``[E, out, in]`` stack (a WeightFn is returned as it is)."""
     if callable(w):
         return w
-    return lambda sel: w if sel is None else (take(w, sel) if jnp.ndim(sel) == 0 else gather(w, sel))
+    return lambda sel: w if sel is None else gather(w, sel)
 
 
 def routed_experts(x, idx, weights, gate_up: WeightFn | jnp.ndarray, down: WeightFn | jnp.ndarray, *,

@@ -144,15 +144,14 @@ def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta) -> jnp.ndarray
 
 def dequantize_experts(packed, scale, zero, meta: QuantMeta, idx: jnp.ndarray | None, dtype) -> jnp.ndarray:
     """Dense ``[E or idx.shape…, N, K]`` weights of the experts in ``idx`` (all experts when None)."""
-    if idx is not None:
-        # one expert (a scalar id): a dynamic slice; several: a gather
-        pick = (lambda a: indexing.take(a, idx)) if jnp.ndim(idx) == 0 else (lambda a: indexing.gather(a, idx))
+    if idx is not None:  # a scalar id: one dynamic slice; an id array: a gather (indexing.gather)
         if jnp.issubdtype(packed.dtype, jnp.floating) and packed.dtype.itemsize == 1:
             # gather float8 as bytes: XLA:CPU otherwise converts the whole [E, …] stack to float32 before the
             # gather, on every call (MXFP8 decode was 4× slower than INT2 on the CPU for it)
-            packed = jax.lax.bitcast_convert_type(pick(jax.lax.bitcast_convert_type(packed, jnp.uint8)), packed.dtype)
+            raw = indexing.gather(jax.lax.bitcast_convert_type(packed, jnp.uint8), idx)
+            packed = jax.lax.bitcast_convert_type(raw, packed.dtype)
         else:
-            packed = pick(packed)
-        scale = None if scale is None else pick(scale)
-        zero = None if zero is None else pick(zero)
+            packed = indexing.gather(packed, idx)
+        scale = None if scale is None else indexing.gather(scale, idx)
+        zero = None if zero is None else indexing.gather(zero, idx)
     return dequantize(packed, scale, zero, meta, dtype)
