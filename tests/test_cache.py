@@ -14,6 +14,7 @@ from flax import nnx
 
 import qjax
 from qjax.checkpoint.hub import default_model_dir
+from qjax.model.cache import CACHE_GRANULE, cache_length
 
 TOL = 1e-4  # the cached-vs-full tolerance of tests/test_generate.py
 
@@ -21,6 +22,12 @@ TOL = 1e-4  # the cached-vs-full tolerance of tests/test_generate.py
 @pytest.fixture(scope="module")
 def model():
     return qjax.load_model(default_model_dir(), dtype=jnp.float32)
+
+
+def test_cache_length_is_whole_blocks():
+    assert [cache_length(t, n) for t, n in ((1, 1), (10, 246), (10, 247), (4000, 96), (4000, 97))] == [
+        CACHE_GRANULE, 256, 512, 4096, 4352]
+    assert CACHE_GRANULE == 256
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6))

@@ -97,6 +97,26 @@ def test_left_padded_batch_equals_each_prompt_alone(tiny):
 
 
 @pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
+def test_prompt_lengths_and_max_new_tokens_share_one_decode_loop(tiny):
+    """The cache is rounded up to whole blocks (cache_length) and the step count is an argument: calls with other
+    prompt lengths and max_new_tokens within one block run the decode loop already compiled (its tokens against
+    transformers: test_greedy_matches_transformers_generate), and a shorter run is the longer one's start."""
+    from qjax.runtime.generate import decode_loop
+
+    _, model = tiny
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 512, (1, 9)).astype(np.int32)
+    long = qjax.generate(model, prompt, max_new_tokens=20, eos_token_id=[])
+    compiled = decode_loop._cache_size()
+    short = qjax.generate(model, prompt, max_new_tokens=3, eos_token_id=[])
+    np.testing.assert_array_equal(short, long[:, :12])
+    for t, new in ((4, 11), (30, 7)):
+        out = qjax.generate(model, rng.integers(0, 512, (1, t)), max_new_tokens=new, eos_token_id=[])
+        assert out.shape == (1, t + new)
+    assert decode_loop._cache_size() == compiled
+
+
+@pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_stop_tokens_and_padding(tiny):
     _, model = tiny
     prompt = np.array([[172, 47, 117, 192, 323, 251, 195, 359, 9, 211]])

@@ -21,6 +21,21 @@ from qjax.kernels import accum_dtype, indexing
 from qjax.model.config import FULL, TextConfig
 
 
+# Compiled programs are keyed by the cache's shape. Sized exactly T + max_new_tokens, every prompt length and every
+# max_new_tokens had its own prefill and decode loop (seconds of compile each on CPU; the test suite compiled ~70
+# decode loops). Whole blocks of 256 positions let them share programs; the extra slots are masked keys (< 256 per
+# row: ≤ 5.2 MB of bf16 K/V in the real model's 10 attention layers, which attention reads too: small beside the
+# weights a decode step reads).
+CACHE_GRANULE = 256
+
+
+def cache_length(prompt_len: int, new_tokens: int) -> int:
+    """The cache length generation allocates for ``prompt_len`` tokens plus ``new_tokens`` more: the next multiple
+    of :data:`CACHE_GRANULE` (``qjax.generate``, speculative decoding, the bench and its AOT programs)."""
+    need = int(prompt_len) + int(new_tokens)
+    return -(-need // CACHE_GRANULE) * CACHE_GRANULE
+
+
 @struct.dataclass
 class GDNState:
     conv: jnp.ndarray  # [G, B, K-1, conv_dim] last pre-conv inputs (only K-1 influence the next output), model dtype

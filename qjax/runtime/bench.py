@@ -39,7 +39,7 @@ from flax import nnx
 
 from qjax.checkpoint.hub import ASSETS
 from qjax.convert.planner import plan_recipe_cfg
-from qjax.model.cache import Cache
+from qjax.model.cache import Cache, cache_length
 from qjax.model.config import FULL, TextConfig
 from qjax.model.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from qjax.runtime.generate import DecodeSettings, decode_loop, prefill
@@ -317,7 +317,7 @@ def run_bench(model, settings: Settings = Settings(), *, log: Callable[[str], No
     for b, t in settings.prefill:
         log(f"prefill {b}x{t}")
         # room for a decode of new_tokens + 1, as qjax.generate allocates: TTFT and the decode warm-up reuse it
-        res = time_interleaved(prefill_contenders(b, t, t + settings.new_tokens + 1), settings.repeats)
+        res = time_interleaved(prefill_contenders(b, t, cache_length(t, settings.new_tokens + 1)), settings.repeats)
         rows.append(_row("prefill", b, t, b * t, res, flops=prefill_flops(cfg, b, t)))
     if settings.prefill:
         b, t = 1, settings.prefill[0][1]
@@ -329,7 +329,7 @@ def run_bench(model, settings: Settings = Settings(), *, log: Callable[[str], No
                 logits, _ = prefill(graphdef, state, cache, jnp.asarray(ids_host), jnp.ones((b, t), jnp.int32),
                                      impl=impl)
                 return np.asarray(jnp.argmax(logits, axis=-1))  # on the host: the user has the token
-            return (lambda: model.init_cache(b, t + settings.new_tokens + 1), run)
+            return (lambda: model.init_cache(b, cache_length(t, settings.new_tokens + 1)), run)
         res = time_interleaved({name: ttft(impl) for name, impl in impls.items()}, settings.repeats)
         rows.append(_row("ttft", b, t, 1, res))
 
@@ -343,10 +343,10 @@ def run_bench(model, settings: Settings = Settings(), *, log: Callable[[str], No
             return (lambda: (logits, _copy_tree(cache)),
                     lambda a: _decode(graphdef, state, *a, n, impl))
         res = time_interleaved({name: decode(impl, *warm) for name, impl in impls.items()}, settings.repeats)
-        tokens[b] = np.asarray(res["qjax"]["out"])
+        tokens[b] = np.asarray(res["qjax"]["out"])[:, :n + 1]
         row = _row("decode", b, settings.context, b * n, res)
         if "baseline" in res:
-            row["baseline_token_match"] = float(np.mean(np.asarray(res["baseline"]["out"]) == tokens[b]))
+            row["baseline_token_match"] = float(np.mean(np.asarray(res["baseline"]["out"])[:, :n + 1] == tokens[b]))
         row["bytes_per_step"] = decode_bytes(model, b, settings.context + n // 2)
         rows.append(row)
     return {"rows": rows, "tokens": tokens}
@@ -354,7 +354,7 @@ def run_bench(model, settings: Settings = Settings(), *, log: Callable[[str], No
 
 def _decode(graphdef, state, logits, cache, n: int, impl: str | None = None):
     """qjax.generate's greedy decode loop from a warm cache: n + 1 tokens (the first from the prefill's logits, then n
-    forward steps) → ``[B, n + 1]``."""
+    forward steps) → ``[B, cache.max_len]``, of which the first n + 1 columns are those tokens."""
 
     return decode_loop(graphdef, state, cache, logits, jax.random.key(0), _greedy(), n + 1, impl=impl)[0]
 
@@ -380,7 +380,7 @@ def _warm_cache(model, settings: Settings, batch: int):
     for i in range(0, batch, WARM_ROWS):
         chunk = np.asarray(prompt_ids(model.config, WARM_ROWS, settings.context, settings.seed + i // WARM_ROWS))
         assert np.array_equal(chunk[: batch - i], ids[i:i + WARM_ROWS])
-        cache = model.init_cache(WARM_ROWS, settings.context + settings.new_tokens + 1)
+        cache = model.init_cache(WARM_ROWS, cache_length(settings.context, settings.new_tokens + 1))
         parts.append(prefill(graphdef, state, cache, jnp.asarray(chunk), jnp.ones(chunk.shape, jnp.int32)))
     logits, cache = _concat_rows(parts, batch)
     return logits, _block(cache)
@@ -635,12 +635,12 @@ def decode_program(model, batch: int = 1, context: int = 512, new_tokens: int = 
 
     cfg = model.config
     graphdef, state = nnx.split(model)
-    cache = jax.eval_shape(lambda: model.init_cache(batch, context + new_tokens + 1))
+    cache = jax.eval_shape(lambda: model.init_cache(batch, cache_length(context, new_tokens + 1)))
     logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32)
     key = jax.eval_shape(lambda: jax.random.key(0))
 
     def fn(state, cache, logits, key):
-        return decode_loop(graphdef, state, cache, logits, key, _greedy(), new_tokens + 1)[0]
+        return decode_loop(graphdef, state, cache, logits, key, _greedy(), new_tokens + 1)[0][:, :new_tokens + 1]
 
     return fn, (state, cache, logits, key)
 

@@ -4,6 +4,10 @@ or one jitted step per token (``stream``). Routing, sampling and the stop test s
 Batches are left-padded: every row ends at the same cache slot, pads are masked out of attention and are exact
 no-ops on the GDN conv window and state, and each row's RoPE positions count only its real tokens — so a row
 decodes the same tokens batched as alone.
+
+The cache is sized by :func:`cache_length` (whole :data:`CACHE_GRANULE` blocks) and the decode loop takes its step
+count as an argument, so calls with different prompt lengths and ``max_new_tokens`` run the same compiled decode
+loop (and, for one prompt shape, the same prefill).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from qjax.kernels import use as use_kernels
-from qjax.model.cache import Cache
+from qjax.model.cache import Cache, cache_length
 from qjax.model.config import GenerationConfig
 from qjax.multimodal.prompt import prepare_images
 from qjax.runtime.sampling import SamplingArrays, filter_logits
@@ -115,18 +119,21 @@ def _step(graphdef, state, cache: Cache, logits, key, s: DecodeSettings, done):
     return tok, out.logits[:, -1], out.cache, done
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), static_argnames=("impl",), donate_argnums=(2,))
-def decode_loop(graphdef, state, cache: Cache, logits, key, s: DecodeSettings, max_new_tokens: int,
+@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("impl",), donate_argnums=(2,))
+def decode_loop(graphdef, state, cache: Cache, logits, key, s: DecodeSettings, max_new_tokens,
                  impl: str | None = None):
-    """All decode steps in one program; stops early once every row has emitted a stop token."""
+    """All decode steps in one program; stops early once every row has emitted a stop token. ``max_new_tokens``
+    (≤ the cache's free slots + 1) is an argument, not part of the program. Returns (tokens ``[B, cache.max_len]``, of
+    which the first n columns were generated, n, the cache)."""
     with use_kernels(impl):
         return _decode_loop_body(graphdef, state, cache, logits, key, s, max_new_tokens)
 
 
-def _decode_loop_body(graphdef, state, cache: Cache, logits, key, s: DecodeSettings, max_new_tokens: int):
+def _decode_loop_body(graphdef, state, cache: Cache, logits, key, s: DecodeSettings, max_new_tokens):
     b = logits.shape[0]
     model = nnx.merge(graphdef, state)
-    tokens = jnp.full((b, max_new_tokens), s.pad, jnp.int32)
+    max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
+    tokens = jnp.full((b, cache.max_len), s.pad, jnp.int32)  # wide enough for any step count the cache allows
 
     def cond(carry):
         i, _, _, _, done, _ = carry
@@ -225,7 +232,7 @@ def _prefilled(model, input_ids, attention_mask, max_new_tokens, images, pad: in
         input_ids, attention_mask = prompt.input_ids, prompt.attention_mask
         position_ids, image_embeds = jnp.asarray(prompt.position_ids), prompt.image_embeds
     ids, mask = _check_prompt(model, input_ids, attention_mask)
-    cache = model.init_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
+    cache = model.init_cache(ids.shape[0], cache_length(ids.shape[1], max_new_tokens))
     graphdef, state = nnx.split(model)
     logits, cache = prefill(graphdef, state, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(mask),
                             position_ids=position_ids, image_embeds=image_embeds)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qjax.model.cache import Cache
+from qjax.model.cache import Cache, cache_length
 from qjax.runtime.sampling import SamplingArrays, filter_logits, sample, split_keys
 
 
@@ -177,22 +177,25 @@ def verify_round(graphdef, state, cache: Cache, mtp_cache: Cache, last, drafts, 
     return _round(nnx.merge(graphdef, state), cache, mtp_cache, last, drafts, keys, sampling)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 8, 9))  # the caches end inside: nothing to donate them to
+@functools.partial(jax.jit, static_argnums=(0, 9))  # the caches end inside: nothing to donate them to
 def round_loop(graphdef, state, cache: Cache, mtp_cache: Cache, first, drafts, keys, sampling: SamplingArrays,
-               max_new_tokens: int, eos: tuple[int, ...]):
+               max_new_tokens, eos: tuple[int, ...]):
     """Every round after the prefill in one program (a ``while_loop``, as plain ``generate`` decodes: no host round
-    trip per round). ``first [B]``: the prefill's token. Returns (``tokens [B, max_new_tokens]`` — each row's emitted
-    tokens up to and including its stop token, then -1 —, per row the count emitted, and the stats counters: rounds,
-    row-rounds, tokens emitted in them, ``[k]`` accepted per draft position), the same bookkeeping as :func:`rounds`."""
+    trip per round). ``first [B]``: the prefill's token; ``max_new_tokens``: an argument, not part of the program
+    (like the decode loop's, :func:`qjax.runtime.generate.decode_loop`). Returns (``tokens [B, cache.max_len]`` — each
+    row's emitted tokens up to and including its stop token, then -1 —, per row the count emitted, and the stats
+    counters: rounds, row-rounds, tokens emitted in them, ``[k]`` accepted per draft position), the same bookkeeping
+    as :func:`rounds`."""
     model = nnx.merge(graphdef, state)
     b, k = drafts.shape
-    n = max_new_tokens
+    n = jnp.asarray(max_new_tokens, jnp.int32)
+    width = cache.max_len  # ≥ max_new_tokens: the cache holds the prompt and every token
     stop = jnp.asarray(eos if eos else (-1,), jnp.int32)
 
     def is_stop(t):
         return jnp.any(t[..., None] == stop, axis=-1)
 
-    out = jnp.full((b, n), -1, jnp.int32).at[:, 0].set(first)
+    out = jnp.full((b, width), -1, jnp.int32).at[:, 0].set(first)
     count = jnp.ones((b,), jnp.int32)
     done = is_stop(first) | (n == 1)
     zero = jnp.zeros((), jnp.int32)
@@ -209,7 +212,7 @@ def round_loop(graphdef, state, cache: Cache, mtp_cache: Cache, first, drafts, k
         # a row emits up to its first stop token and at most what max_new_tokens leaves it
         upto = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, consumed)
         emit = jnp.where(live, jnp.minimum(upto, n - count), 0)
-        at = jnp.where(j < emit[:, None], count[:, None] + j, n)  # n: out of range, dropped
+        at = jnp.where(j < emit[:, None], count[:, None] + j, width)  # width: out of range, dropped
         out = out.at[jnp.arange(b)[:, None], at].set(tokens, mode="drop")
         count = count + emit
         done = done | (live & (jnp.any(stops, axis=1) | (count >= n)))
@@ -237,7 +240,7 @@ def _prefilled(model, ids, mask, max_new_tokens: int, k: int, sampling: Sampling
         raise ValueError(f"num_speculative_tokens must be ≥ 1, got {k}")
     b, t = ids.shape
     # a verify call writes k + 1 slots past a row's length: room for the last one past max_new_tokens
-    size = t + max_new_tokens + k + 1
+    size = cache_length(t, max_new_tokens + k + 1)
     keys = row_keys(0, b) if keys is None else keys
     graphdef, state = nnx.split(model)
     first, drafts, cache, mtp_cache, keys = prefill(graphdef, state, model.init_cache(b, size, spec_tokens=k + 1),
