@@ -400,22 +400,29 @@ def test_the_model_cards_serve_lines_start_a_server(card, hub_cache):
         assert s.stop() == 0
 
 
-def test_unknown_flags_and_impossible_plans_are_refused(tmp_path):
+def test_unknown_flags_and_impossible_plans_are_refused(capsys):
+    """The command's exit status and message from a real process once (an unknown flag); the refusals of
+    impossible plans and bad speculative configs in this process (`qjax.cli.main`, what `python -m qjax.cli` runs:
+    a child process each cost ~3 s of imports for the same code path)."""
     import subprocess
     import sys
 
-    def serve(*args):
-        return subprocess.run([sys.executable, "-m", "qjax.cli", "serve", default_model_dir(), *args],
-                              capture_output=True, text=True, timeout=300)
+    from qjax.cli import main as cli_main
 
-    r = serve("--no-such-flag")
+    r = subprocess.run([sys.executable, "-m", "qjax.cli", "serve", default_model_dir(), "--no-such-flag"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "unrecognized arguments: --no-such-flag" in r.stderr
-    r = serve("--max-model-len", "4096", "--max-num-seqs", "100000")
-    assert r.returncode == 2 and "at most" in r.stderr and "--max-num-seqs" in r.stderr, r.stderr[-2000:]
-    r = serve("--max-model-len", "9000")
-    assert r.returncode == 2 and "max_position_embeddings 4096" in r.stderr
+
+    def serve(*args):
+        rc = cli_main(["serve", default_model_dir(), *args])
+        return rc, capsys.readouterr().err
+
+    rc, err = serve("--max-model-len", "4096", "--max-num-seqs", "100000")
+    assert rc == 2 and "at most" in err and "--max-num-seqs" in err, err[-2000:]
+    rc, err = serve("--max-model-len", "9000")
+    assert rc == 2 and "max_position_embeddings 4096" in err
     for conf, says in (('{"method": "eagle"}', "method must be one of mtp"), ("mtp", "not JSON"),
                        ('{"method": "mtp", "model": "drafter"}', "field 'model' is not supported"),
                        ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens must be")):
-        r = serve("--speculative-config", conf)
-        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+        rc, err = serve("--speculative-config", conf)
+        assert rc == 2 and says in err and "Traceback" not in err, err[-2000:]
