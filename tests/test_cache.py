@@ -25,9 +25,9 @@ def model():
 
 
 def test_cache_length_is_whole_blocks():
-    assert [cache_length(t, n) for t, n in ((1, 1), (10, 246), (10, 247), (4000, 96), (4000, 97))] == [
-        CACHE_GRANULE, 256, 512, 4096, 4352]
-    assert CACHE_GRANULE == 256
+    assert [cache_length(t, n) for t, n in ((1, 1), (10, 118), (10, 119), (4000, 96), (4000, 97))] == [
+        CACHE_GRANULE, 128, 256, 4096, 4224]
+    assert CACHE_GRANULE == 128
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6))
