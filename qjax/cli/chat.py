@@ -27,8 +27,9 @@ import numpy as np
 
 from qjax.cli.options import add_dtype_argument
 
-# chat prompts are left-padded to a multiple of this, so that turns of similar length reuse the compiled prefill and
-# decode step (their shapes depend on the prompt length); left pads are exact no-ops in qjax's cached generation
+# chat prompts are left-padded to a multiple of this, so that turns of similar length reuse the compiled prefill (its
+# shape is the prompt's; the decode step's is the cache's, already in whole blocks: qjax.model.cache.cache_length);
+# left pads are exact no-ops in qjax's cached generation
 CHAT_PAD_MULTIPLE = 128
 CHAT_MAX_NEW_TOKENS = 512
 

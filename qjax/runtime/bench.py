@@ -316,8 +316,8 @@ def run_bench(model, settings: Settings = Settings(), *, log: Callable[[str], No
 
     for b, t in settings.prefill:
         log(f"prefill {b}x{t}")
-        # room for a decode of new_tokens + 1, as qjax.generate allocates: TTFT and the decode warm-up reuse it
-        res = time_interleaved(prefill_contenders(b, t, cache_length(t, settings.new_tokens + 1)), settings.repeats)
+        # TTFT and the decode warm-up reuse this program
+        res = time_interleaved(prefill_contenders(b, t, _cache_len(t, settings)), settings.repeats)
         rows.append(_row("prefill", b, t, b * t, res, flops=prefill_flops(cfg, b, t)))
     if settings.prefill:
         b, t = 1, settings.prefill[0][1]
@@ -329,7 +329,7 @@ def run_bench(model, settings: Settings = Settings(), *, log: Callable[[str], No
                 logits, _ = prefill(graphdef, state, cache, jnp.asarray(ids_host), jnp.ones((b, t), jnp.int32),
                                      impl=impl)
                 return np.asarray(jnp.argmax(logits, axis=-1))  # on the host: the user has the token
-            return (lambda: model.init_cache(b, cache_length(t, settings.new_tokens + 1)), run)
+            return (lambda: model.init_cache(b, _cache_len(t, settings)), run)
         res = time_interleaved({name: ttft(impl) for name, impl in impls.items()}, settings.repeats)
         rows.append(_row("ttft", b, t, 1, res))
 
@@ -343,13 +343,19 @@ def run_bench(model, settings: Settings = Settings(), *, log: Callable[[str], No
             return (lambda: (logits, _copy_tree(cache)),
                     lambda a: _decode(graphdef, state, *a, n, impl))
         res = time_interleaved({name: decode(impl, *warm) for name, impl in impls.items()}, settings.repeats)
-        tokens[b] = np.asarray(res["qjax"]["out"])[:, :n + 1]
+        out = {name: np.asarray(r["out"])[:, :n + 1] for name, r in res.items()}  # the loop's buffer is cache-wide
+        tokens[b] = out["qjax"]
         row = _row("decode", b, settings.context, b * n, res)
-        if "baseline" in res:
-            row["baseline_token_match"] = float(np.mean(np.asarray(res["baseline"]["out"])[:, :n + 1] == tokens[b]))
+        if "baseline" in out:
+            row["baseline_token_match"] = float(np.mean(out["baseline"] == tokens[b]))
         row["bytes_per_step"] = decode_bytes(model, b, settings.context + n // 2)
         rows.append(row)
     return {"rows": rows, "tokens": tokens}
+
+
+def _cache_len(t: int, settings: Settings) -> int:
+    """The cache qjax.generate allocates for a ``t``-token prompt and the bench's ``new_tokens + 1`` decoded tokens."""
+    return cache_length(t, settings.new_tokens + 1)
 
 
 def _decode(graphdef, state, logits, cache, n: int, impl: str | None = None):
@@ -380,7 +386,7 @@ def _warm_cache(model, settings: Settings, batch: int):
     for i in range(0, batch, WARM_ROWS):
         chunk = np.asarray(prompt_ids(model.config, WARM_ROWS, settings.context, settings.seed + i // WARM_ROWS))
         assert np.array_equal(chunk[: batch - i], ids[i:i + WARM_ROWS])
-        cache = model.init_cache(WARM_ROWS, cache_length(settings.context, settings.new_tokens + 1))
+        cache = model.init_cache(WARM_ROWS, _cache_len(settings.context, settings))
         parts.append(prefill(graphdef, state, cache, jnp.asarray(chunk), jnp.ones(chunk.shape, jnp.int32)))
     logits, cache = _concat_rows(parts, batch)
     return logits, _block(cache)
