@@ -44,6 +44,14 @@ SAMPLED = {"model.layers.0.linear_attn.in_proj_qkv", "model.layers.3.self_attn.q
 IDS = np.random.default_rng(0).integers(0, 512, (2, 24)).astype(np.int32)
 _AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
+# Linear modules the tiny model's export quantizes: per GDN layer in_proj_qkv, in_proj_z, out_proj (in_proj_a/b are
+# skipped, too narrow for a group) and the shared expert's 3; per attention layer q/k/v/o and the shared expert's 3;
+# 3 per routed expert in every layer
+_TINY = tiny_text_config()
+QUANTIZED_MODULES = (_TINY["layer_types"].count("linear_attention") * (3 + 3)
+                     + _TINY["layer_types"].count("full_attention") * (4 + 3)
+                     + _TINY["num_hidden_layers"] * _TINY["num_experts"] * 3)
+
 
 def _qconfig(sym: bool, expert_bits: int, expert_group: int) -> QuantizationConfig:
     def scheme(bits: int, group: int) -> WeightScheme:
@@ -159,7 +167,7 @@ def test_written_tensors_decode_to_the_model_bit_for_bit(exported, recipe: str) 
     disk = load_file(os.path.join(folder, "model.safetensors"))
     ct = {k: get for k, _, get in checkpoint_tensors(qm, dtype=jnp.bfloat16)}
     modules = sorted(k[: -len(".qweight")] for k in disk if k.endswith(".qweight"))
-    assert len(modules) == 3 * (3 + 3) + (4 + 3) + 4 * 8 * 3  # attn 4 + lin-attn 3 (a/b skipped) + shared 3, experts
+    assert len(modules) == QUANTIZED_MODULES
     for name in modules:
         bits = qc["extra_config"].get(name, {}).get("bits", qc["bits"])
         levels, scales = decode(disk[f"{name}.qweight"], disk[f"{name}.qzeros"], disk[f"{name}.scales"], bits, fmt)
@@ -204,7 +212,7 @@ def test_transformers_loads_it_with_autoround(exported, recipe: str) -> None:
     _, want, folder = exported[recipe]
     out = os.path.join(folder, "..", f"{recipe}-transformers-logits.npy")
     n_quantized = isolated("transformers_autoround_logits_here", folder=folder, ids=IDS.tolist(), out=out)
-    assert n_quantized == 3 * (3 + 3) + (4 + 3) + 4 * 8 * 3
+    assert n_quantized == QUANTIZED_MODULES
     theirs = np.load(out)
     assert np.abs(theirs - want).max() <= 1e-4
 

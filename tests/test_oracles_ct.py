@@ -310,17 +310,20 @@ def test_kv_scales_are_amax_over_448(written: Written, monkeypatch: pytest.Monke
     monkeypatch.setattr(qm, "apply_rotary_pos_emb", recording_rope)
     hd = written.text["head_dim"]
     full = [i for i, t in enumerate(written.text["layer_types"]) if t == "full_attention"]
-    assert len(full) == 1
-    model.model.layers[full[0]].self_attn.v_proj.register_forward_hook(
-        lambda mod, inp, out: seen["v"].append(out.detach().unflatten(-1, (-1, hd)).transpose(1, 2))
-    )
+    for i in full:
+        model.model.layers[i].self_attn.v_proj.register_forward_hook(
+            lambda mod, inp, out: seen["v"].append(out.detach().unflatten(-1, (-1, hd)).transpose(1, 2))
+        )
     hf_logits(model, CALIB_IDS)
+    assert len(seen["k"]) == len(seen["v"]) == len(full)  # one calibration forward: each layer once, in order
     per_head = kv["strategy"] == "attn_head"
-    for tag, stored in zip("kv", kv_scales(written.folder)[full[0]]):
-        x = seen[tag][0].abs()
-        amax = x.amax(dim=(0, 2, 3)) if per_head else x.amax().reshape(1)
-        expect = (amax / 448).to(written.tensors[f"{written.prefix}layers.{full[0]}.self_attn.k_scale"].dtype).float()
-        torch.testing.assert_close(stored, expect, rtol=1e-5, atol=0)
+    scales = kv_scales(written.folder)
+    for j, i in enumerate(full):
+        for tag, stored in zip("kv", scales[i]):
+            x = seen[tag][j].abs()
+            amax = x.amax(dim=(0, 2, 3)) if per_head else x.amax().reshape(1)
+            expect = (amax / 448).to(written.tensors[f"{written.prefix}layers.{i}.self_attn.k_scale"].dtype).float()
+            torch.testing.assert_close(stored, expect, rtol=1e-5, atol=0)
 
 
 def test_quantization_config(written: Written) -> None:

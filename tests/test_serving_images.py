@@ -21,10 +21,11 @@ from serve_util import Server
 import qjax
 from qjax.serving import Engine, EngineConfig, EngineError, SamplingParams
 from qjax.serving.engine import encode_images
-from qjax.tokenizer import Tokenizer
+from qjax.tokenizer import CHATML_STOP_TOKENS, Tokenizer
 
 I, S, E = (VL_SPECIALS[t] for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
-EOS = (VL_SPECIALS["<|im_end|>"],)
+# what `qjax serve` stops on for this folder: its eos (<|im_end|>) and the ChatML stop tokens the tokenizer adds
+EOS = tuple(VL_SPECIALS[t] for t in CHATML_STOP_TOKENS)
 # merged tokens: 64×64 → 8×8 = 64; 30×30 → 4×4 = 16; 64×20 → 8×3 = 24; 40×56 → 5×7 = 35
 IMAGES = [random_image(64, 64, seed=1), random_image(30, 30, seed=2), random_image(64, 20, seed=3),
           random_image(40, 56, seed=4)]

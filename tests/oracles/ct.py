@@ -68,6 +68,7 @@ from oracles.hf import (
     _fuse_experts,
     _load_dir,
     _write_shards,
+    float64_truth,
     hf_logits,
     save_hf,
     tiny_vision_config,
@@ -183,9 +184,11 @@ def _observe_kv_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def fp8_kv_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`(x / s).clamp(±448) -> float8_e4m3fn -> float32 * s`; `scale` is `[1]` (per tensor) or `[num_kv_heads]`."""
-    s = scale.float().reshape(1, -1, 1, 1)
-    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
+    """`(x / s).clamp(±448) -> float8_e4m3fn -> float32 * s` (float64 throughout for a float64 `x`, as qjax's float64
+    mode quantizes); `scale` is `[1]` (per tensor) or `[num_kv_heads]`."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    s = scale.to(acc).reshape(1, -1, 1, 1)
+    return (x.to(acc) / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(acc) * s
 
 
 def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
@@ -572,13 +575,17 @@ def kv_scales(folder: str | Path) -> dict[int, tuple[torch.Tensor, torch.Tensor]
     return {i: (d["k"], d["v"]) for i, d in sorted(out.items())}
 
 
-def ct_reference_logits(folder: str | Path, ids: np.ndarray, *, fp8_kv: bool = False) -> np.ndarray:
-    """Full-sequence float32 logits `[B, T, V]` of `ct_reference_model(folder)`.
+def ct_reference_logits(folder: str | Path, ids: np.ndarray, *, fp8_kv: bool = False,
+                        float64: bool = False) -> np.ndarray:
+    """Full-sequence float32 logits `[B, T, V]` of `ct_reference_model(folder)` (with `float64`: float64 logits of its
+    `float64_truth` copy).
 
     With `fp8_kv`, K (after k_norm + RoPE) and V of every full-attention layer go through `fp8_kv_fake_quant` with the
     stored per-tensor / per-kv-head scales before eager attention (custom function in ALL_ATTENTION_FUNCTIONS).
     """
     model = ct_reference_model(folder)
+    if float64:
+        model = float64_truth(model)
     if fp8_kv:
         scales = kv_scales(folder)
         layers = _full_attention_layers(model.config)
