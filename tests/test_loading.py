@@ -217,6 +217,29 @@ def test_cached_decode_equals_forward_with_fp8_kv(ct_ckpt):
     assert np.abs(np.concatenate(steps, 1) - full).max() <= 2e-3
 
 
+def test_host_assembled_variables_equal_device_writes(hf128, tmp_path, monkeypatch):
+    """The loader assembles variables on the host within ``HOST_STAGING_BYTES`` and writes the rest tensor by tensor
+    into device buffers: all on the host, none, or a budget that splits them give the same variables bit for bit
+    (a quantized checkpoint with per-expert tensors: each stacked variable is filled from many)."""
+    from flax import nnx
+
+    from qjax.checkpoint import loading
+
+    folder = write_ct_checkpoint(hf128, tmp_path / "ckpt", RECIPES["w2_experts_w4_rest"])
+
+    def leaves():
+        return {p: np.asarray(v) for p, v in nnx.to_flat_state(nnx.state(qjax.load_model(folder)))}
+
+    want = leaves()
+    sizes = sorted(v.nbytes for v in want.values())
+    for budget in (0, sum(sizes) // 2):
+        monkeypatch.setattr(loading, "HOST_STAGING_BYTES", budget)
+        got = leaves()
+        assert got.keys() == want.keys()
+        for p, v in want.items():
+            assert got[p].dtype == v.dtype and np.array_equal(got[p].view(np.uint8), v.view(np.uint8)), (budget, p)
+
+
 @pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_official_layout_quantized(hf128, tmp_path):
     folder = write_ct_checkpoint(hf128, tmp_path / "official", RECIPES["w2_experts_w4_rest"], official_layout=True)

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterator
 
 import jax
@@ -64,6 +65,15 @@ _FLOAT_DTYPES = {"F32": jnp.float32, "BF16": jnp.bfloat16, "F16": jnp.float16, "
 # ---------------------------------------------------------------------------------------------------------------------
 # device writes
 # ---------------------------------------------------------------------------------------------------------------------
+# Variables (per-device shards) assembled on the host and sent whole, up to this many bytes at a time. Writing a
+# tensor into its variable on the device is a compiled program per (variable shape, tensor shape) and a zeros
+# program per variable shape — ~30 ms each to trace and compile, paid again by every process that loads a model
+# (measured over the test suite: ~1,700 write programs, 44 s, and as many zeros); a variable that does not fit in
+# what is left of the budget is written on the device, so loading a large model holds at most this much on the
+# host besides the tensor being read.
+HOST_STAGING_BYTES = 256 << 20
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _write(buf: jnp.ndarray, value: jnp.ndarray, start: jnp.ndarray) -> jnp.ndarray:
     value = value.reshape((1,) * (buf.ndim - value.ndim) + value.shape)
@@ -247,7 +257,7 @@ def load_from_view(cfg: TextConfig, qc, ckpt: CheckpointView, dtype, *, progress
 
         set_plan(model, plan)
         shardings = state_shardings(model, plan)
-    placer = _Placer(leaves, shardings)
+    placer = _Placer(leaves, shardings, Counter(t.path for t in targets.values() if t.path is not None))
     for key in _progress(_ordered(ckpt, targets), ckpt, targets, progress):
         t = targets[key]
         arr = ckpt.get(key)  # once: a converting view (auto-round) hands each tensor out once
@@ -271,12 +281,16 @@ class _Placer:
     Without a mesh each variable is one buffer on the default device. On a mesh each device holds only its shard
     of each variable, and receives only the part of each checkpoint tensor that falls inside that shard (a
     replicated variable: the whole tensor on each device) — the full model never exists on one device, and the
-    host holds one (memory-mapped) tensor at a time.
+    host holds one (memory-mapped) tensor at a time, plus the variables it assembles (:data:`HOST_STAGING_BYTES`),
+    each sent to its device once its last tensor (of ``parts``: path → how many tensors fill it) is in.
     """
 
-    def __init__(self, leaves: dict, shardings: dict | None):
+    def __init__(self, leaves: dict, shardings: dict | None, parts: dict):
         self.leaves, self.shardings = leaves, shardings
         self.buffers: dict[tuple, dict] = {}
+        self.staged: dict[tuple, dict] = {}  # path → device → host buffer being filled
+        self._staged_bytes = 0
+        self._left = dict(parts)
         self._index_maps: dict[tuple, dict] = {}
 
     def _devices(self, path) -> dict:
@@ -308,12 +322,39 @@ class _Placer:
             if part.shape == shard_shape:
                 bufs[device] = on(part)
                 continue
+            host = self._host_buffer(t.path, device, shard_shape, leaf.dtype) if device not in bufs else None
+            if host is not None:
+                host[tuple(slice(l - h.start, u - h.start) for l, u, h in zip(lo, hi, held))] = part
+                continue
             if device not in bufs:
                 bufs[device] = jnp.zeros(shard_shape, leaf.dtype, device=device)
             offset = jnp.asarray([l - h.start for l, h in zip(lo, held)], jnp.int32)
             bufs[device] = _write(bufs[device], on(part), offset)
+        self._left[t.path] -= 1
+        if not self._left[t.path]:
+            self._send(t.path)
+
+    def _host_buffer(self, path, device, shape: tuple, dtype) -> np.ndarray | None:
+        """The host buffer of ``path``'s shard on ``device``: the one being filled, a new one (zeros) while the budget
+        allows, else None (write on the device)."""
+        staged = self.staged.setdefault(path, {})
+        if device not in staged:
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            if self._staged_bytes + nbytes > HOST_STAGING_BYTES:
+                return None
+            staged[device] = np.zeros(shape, dtype)
+            self._staged_bytes += nbytes
+        return staged[device]
+
+    def _send(self, path: tuple) -> None:
+        """``path``'s host-assembled shards to their devices."""
+        for device, host in self.staged.pop(path, {}).items():
+            self.buffers.setdefault(path, {})[device] = jax.device_put(host) if device is None else jax.device_put(
+                host, device)
+            self._staged_bytes -= host.nbytes
 
     def array(self, path: tuple) -> jax.Array:
+        self._send(path)
         bufs = self.buffers[path]
         if self.shardings is None:
             return bufs[None]
