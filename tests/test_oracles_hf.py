@@ -134,20 +134,22 @@ def test_official_layout_loads_faithfully(official_dir: str, tiny_hf: tuple[torc
                 p.data = p.data.clone()
         return model.eval(), info
 
+    def text_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The text model's parameters by their name under ``model.`` (or ``model.language_model.``)."""
+        text = getattr(model.model, "language_model", model.model)
+        return text.state_dict()
+
     ref_model, _ = reload(folder, Qwen3_5MoeForCausalLM)
-    ref_weights = ref_model.state_dict()
+    text = text_weights(ref_model)
     ref = hf_logits(ref_model, ids)
     for cls in (Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM):
         loaded, info = reload(official_dir, cls)
         assert not info["missing_keys"], (cls.__name__, info["missing_keys"])
         assert not info["mismatched_keys"], (cls.__name__, info["mismatched_keys"])
-        weights = loaded.model.language_model.state_dict() if hasattr(loaded.model, "language_model") else None
-        text = {k.removeprefix("model."): v for k, v in ref_weights.items() if k.startswith("model.")}
-        got_text = weights if weights is not None else {
-            k.removeprefix("model."): v for k, v in loaded.state_dict().items() if k.startswith("model.")}
+        got_text = text_weights(loaded)
         assert set(got_text) == set(text), cls.__name__
         assert all(torch.equal(got_text[k], text[k]) for k in text), cls.__name__
-        assert torch.equal(loaded.lm_head.weight, ref_weights["lm_head.weight"]), cls.__name__
+        assert torch.equal(loaded.lm_head.weight, ref_model.lm_head.weight), cls.__name__
         got = hf_logits(loaded, ids)
         assert got.dtype == np.float32 and got.shape == (2, 77, 512)
         np.testing.assert_array_equal(got, ref, err_msg=cls.__name__)

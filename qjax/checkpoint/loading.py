@@ -288,7 +288,7 @@ class _Placer:
     def __init__(self, leaves: dict, shardings: dict | None, parts: dict):
         self.leaves, self.shardings = leaves, shardings
         self.buffers: dict[tuple, dict] = {}
-        self.staged: dict[tuple, dict] = {}  # path → device → host buffer being filled
+        self._staged: dict[tuple, dict] = {}  # path → device → host buffer being filled
         self._staged_bytes = 0
         self._left = dict(parts)
         self._index_maps: dict[tuple, dict] = {}
@@ -318,9 +318,8 @@ class _Placer:
                 continue
             part = arr[tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, starts))]
             shard_shape = tuple(h.stop - h.start for h in held)
-            on = (lambda x: jax.device_put(x)) if device is None else (lambda x, d=device: jax.device_put(x, d))
             if part.shape == shard_shape:
-                bufs[device] = on(part)
+                bufs[device] = jax.device_put(part, device)  # device None: the default device
                 continue
             host = self._host_buffer(t.path, device, shard_shape, leaf.dtype) if device not in bufs else None
             if host is not None:
@@ -329,7 +328,7 @@ class _Placer:
             if device not in bufs:
                 bufs[device] = jnp.zeros(shard_shape, leaf.dtype, device=device)
             offset = jnp.asarray([l - h.start for l, h in zip(lo, held)], jnp.int32)
-            bufs[device] = _write(bufs[device], on(part), offset)
+            bufs[device] = _write(bufs[device], jax.device_put(part, device), offset)
         self._left[t.path] -= 1
         if not self._left[t.path]:
             self._send(t.path)
@@ -337,20 +336,19 @@ class _Placer:
     def _host_buffer(self, path, device, shape: tuple, dtype) -> np.ndarray | None:
         """The host buffer of ``path``'s shard on ``device``: the one being filled, a new one (zeros) while the budget
         allows, else None (write on the device)."""
-        staged = self.staged.setdefault(path, {})
-        if device not in staged:
+        host = self._staged.get(path, {}).get(device)
+        if host is None:
             nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
             if self._staged_bytes + nbytes > HOST_STAGING_BYTES:
                 return None
-            staged[device] = np.zeros(shape, dtype)
+            host = self._staged.setdefault(path, {})[device] = np.zeros(shape, dtype)
             self._staged_bytes += nbytes
-        return staged[device]
+        return host
 
     def _send(self, path: tuple) -> None:
         """``path``'s host-assembled shards to their devices."""
-        for device, host in self.staged.pop(path, {}).items():
-            self.buffers.setdefault(path, {})[device] = jax.device_put(host) if device is None else jax.device_put(
-                host, device)
+        for device, host in self._staged.pop(path, {}).items():
+            self.buffers.setdefault(path, {})[device] = jax.device_put(host, device)
             self._staged_bytes -= host.nbytes
 
     def array(self, path: tuple) -> jax.Array:
