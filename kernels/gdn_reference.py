@@ -31,14 +31,15 @@ def prepare(q, k, v, g, beta):
     """
     acc = accum_dtype(q.dtype)
     hk, hv = q.shape[2], v.shape[2]
-    if hv != hk:
-        # v head j reads qk head j // (hv/hk): repeat_interleave, not tile (docs/model.md §8.11)
-        q = jnp.repeat(q, hv // hk, axis=2)
-        k = jnp.repeat(k, hv // hk, axis=2)
     q, k, v, g, beta = (jnp.moveaxis(x.astype(acc), 2, 1) for x in (q, k, v, g, beta))
-    q = l2norm(q)
+    q = l2norm(q) * (q.shape[-1] ** -0.5)
     k = l2norm(k)
-    q = q * (q.shape[-1] ** -0.5)
+    if hv != hk:
+        # v head j reads qk head j // (hv/hk): repeat_interleave, not tile (docs/model.md §8.11). After the norm,
+        # not before as transformers does: the same values (the norm is per head row), but the backward sums the
+        # copies' cotangents before the norm's backward, which then runs on hk heads, not hv
+        q = jnp.repeat(q, hv // hk, axis=1)
+        k = jnp.repeat(k, hv // hk, axis=1)
     return q, k, v, g, beta
 
 
