@@ -20,8 +20,9 @@ Also: total wall time of each ``quantize`` call (model load and export excluded 
 yardstick the final-logit MSE of each quantized model against the bf16 model on held-out ids (qjax loads both
 folders, so the same code scores them).
 
-qjax runs twice per repeat, each in a fresh process sharing one persistent compilation cache: first cold (an empty
-cache: every tuning step compiles), then warm (the steps load from the cache), as ``qjax quantize`` runs by default.
+qjax runs twice per repeat, each in a fresh process sharing one persistent compilation cache (with the traced
+programs kept beside it): first cold (an empty cache: every tuning step is traced and compiled), then warm (the steps
+load from the cache), as ``qjax quantize`` runs by default.
 
 Target (issues 5, 24): qjax ≤ 0.5× auto-round's time per block, cold and warm, with equal or lower loss.
 
@@ -167,7 +168,7 @@ def run_auto_round(base: str, calib: str, out: str, a) -> dict:
             "best_iter": [b[3] for b in cap.blocks]}
 
 
-def run_qjax(base: str, calib: str, out: str, a) -> dict:
+def run_qjax(base: str, calib: str, out: str, a, programs=None) -> dict:
     from qjax.convert import save_pretrained
 
     import qjax
@@ -179,7 +180,7 @@ def run_qjax(base: str, calib: str, out: str, a) -> dict:
     gs, egs = RECIPES[a.config]
     cfg = AutoRoundConfig(bits=4, group_size=gs, layer_config={".*experts.*": {"bits": 2, "group_size": egs}},
                           iters=a.iters, nsamples=a.nsamples, seqlen=a.seqlen, batch_size=a.batch_size)
-    ar = AutoRound(model, ids, cfg, progress=False)
+    ar = AutoRound(model, ids, cfg, progress=False, programs=programs)
     t0 = time.perf_counter()
     ar.run()
     total = time.perf_counter() - t0
@@ -205,13 +206,14 @@ def run_qjax_process(base: str, calib: str, out: str, a, cache: str) -> dict:
 def _worker() -> None:
     spec = json.loads(os.environ["QJAX_AUTOROUND_WORKER"])
     from qjax import xla_env
-    from qjax.autoround.api import use_compile_cache, use_cpu_devices
+    from qjax.autoround.api import program_cache, use_compile_cache, use_cpu_devices
 
     xla_env.apply(single_threaded=True)  # `qjax quantize`'s XLA:CPU flags (read when the backend starts, below)
     use_cpu_devices(spec["args"]["batch_size"])  # as `qjax quantize` does: one CPU device per core (data parallel)
-    use_compile_cache(spec["cache"])
+    # the compilation cache and the traced programs beside it, as `qjax quantize` keeps them
+    programs = program_cache(use_compile_cache(spec["cache"]))
     a = argparse.Namespace(**spec["args"])
-    r = run_qjax(spec["base"], spec["calib"], spec["out"], a)
+    r = run_qjax(spec["base"], spec["calib"], spec["out"], a, programs)
     with open(spec["result"], "w", encoding="utf-8") as f:
         json.dump(r, f)
 

@@ -3,10 +3,11 @@ tests/test_autoround.py: the same AutoRound run with its tuning step on one devi
 
     JAX_NUM_CPU_DEVICES=2 python tests/autoround_dp_probe.py OUT.json [--step-hlo-only]
 
-It also records a hash of each two-device tuning step's lowered program: the persistent compilation cache finds a
-step only if that program is the same in every process, whatever the process's string hashing (``PYTHONHASHSEED``)
-makes of the order of sets and dicts of names. With ``--step-hlo-only`` it records just those hashes (nothing is
-tuned) for a second process to compare.
+It also records a hash of each two-device tuning step's lowered program and the name of the file its traced program
+is kept in (the two-device run has a :class:`qjax.program_cache.ProgramCache`, so its step runs the stored program):
+the persistent compilation cache and the program cache find a step only if both are the same in every process,
+whatever the process's string hashing (``PYTHONHASHSEED``) makes of the order of sets and dicts of names. With
+``--step-hlo-only`` it records just those (nothing is tuned) for a second process to compare.
 
 One tuning iteration without best-iteration selection, so every code written is ``round(w / s + lr · sign(g))``: a
 gradient summed wrongly across the devices (one device's half of the minibatch) flips the sign, and so the code, of a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 
 from qjax import xla_env
@@ -31,6 +33,7 @@ import qjax  # noqa: E402
 from qjax.autoround import driver  # noqa: E402
 from qjax.autoround.driver import AutoRound, AutoRoundConfig  # noqa: E402
 from qjax.checkpoint.hub import default_model_dir  # noqa: E402
+from qjax.program_cache import ProgramCache  # noqa: E402
 from qjax.quant.packing import unpack_int32  # noqa: E402
 
 # the default recipe (W4 g64, experts W2 g64) and SignRoundV2's top-0.1 % error filter (alg_ext below 4 bits)
@@ -52,14 +55,16 @@ def _stop(report) -> None:
     raise _FirstBlockDone
 
 
-def _recording_steps(hashes: list, stop: bool):
-    """``driver._make_step`` whose steps record the hash of their lowered program on each call (and, with ``stop``,
-    end the run there instead of tuning)."""
+def _recording_steps(hashes: list, files: list, stop: bool):
+    """``driver._make_step`` whose steps record the hash of their lowered program and their program cache file on
+    each call (and, with ``stop``, end the run there instead of tuning)."""
     def wrapped(*a, **kw):
         fn = make_step(*a, **kw)
+        plain = make_step(*a, **{**kw, "programs": None})
 
         def call(*args):
-            hashes.append(hashlib.sha256(fn.lower(*args).as_text().encode()).hexdigest())
+            hashes.append(hashlib.sha256(plain.lower(*args).as_text().encode()).hexdigest())
+            files.append(os.path.basename(fn.path_for(*args)))
             if stop:
                 raise _FirstBlockDone
             return fn(*args)
@@ -74,13 +79,14 @@ def main(out_path: str, step_hlo_only: bool = False) -> None:
     report = {}
     for name, recipe in RECIPES.items():
         cfg = AutoRoundConfig(**recipe, iters=1, nsamples=4, seqlen=48, batch_size=4, not_use_best_mse=True)
-        runs, hashes = {}, []
+        runs, hashes, files = {}, [], []
         for label, devices in (("one", jax.devices()[:1]), ("two", jax.devices())):
             if step_hlo_only and label == "one":
                 continue
-            ar = AutoRound(model, ids, cfg, progress=False, devices=devices, on_block=_stop)
+            programs = ProgramCache(f"{out_path}.programs") if label == "two" else None
+            ar = AutoRound(model, ids, cfg, progress=False, devices=devices, on_block=_stop, programs=programs)
             assert (ar.mesh is None) == (label == "one")
-            driver._make_step = _recording_steps(hashes, step_hlo_only) if label == "two" else make_step
+            driver._make_step = _recording_steps(hashes, files, step_hlo_only) if label == "two" else make_step
             try:
                 ar.run()
             except _FirstBlockDone:  # later blocks start from different streams: block 0 is the comparison
@@ -88,7 +94,7 @@ def main(out_path: str, step_hlo_only: bool = False) -> None:
             if not step_hlo_only:
                 runs[label] = (ar.results[0], ar.reports[0])
         driver._make_step = make_step
-        report[name] = {"step_hlo": hashes}
+        report[name] = {"step_hlo": hashes, "program_files": files}
         if step_hlo_only:
             continue
         (one, rep1), (two, rep2) = runs["one"], runs["two"]

@@ -18,6 +18,7 @@ from qjax.autoround.data import CalibrationError, calibration_ids, load_tokenize
 from qjax.autoround.driver import AutoRound, AutoRoundConfig
 from qjax.autoround.progress import ResumeError
 from qjax.autoround.schemes import LayerConfigError, parse_layer_config
+from qjax.program_cache import ProgramCache
 
 pytestmark = pytest.mark.slow
 
@@ -207,6 +208,35 @@ def test_resume_after_kill_gives_the_same_result(base, calib, tmp_path):
         AutoRound(model, calib, cfg, progress=False, progress_dir=pdir, fingerprint={"run": "b"}, resume=True).run()
 
 
+def test_kept_programs_give_the_same_result(base, calib, tmp_path, caplog):
+    """With a program cache the first run stores each block program (tuning step, start, end of each block kind);
+    a second run (a new handle on the folder, as a new process has) reads them all back instead of tracing, and both
+    end with exactly the result of a run without the cache."""
+    cfg = _config(iters=6)
+    model = qjax.load_model(base[0], dtype=jnp.float32)
+    folder = str(tmp_path / "programs")
+    whole = AutoRound(model, calib, cfg, progress=False)
+    whole.run()
+    runs = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="qjax.programs"):
+            ar = AutoRound(model, calib, cfg, progress=False, programs=ProgramCache(folder))
+            ar.run()
+        runs.append((ar, [r.getMessage().split(" ")[2] for r in caplog.records]))
+    (first, log1), (second, log2) = runs
+    files = sorted(os.listdir(folder))
+    assert len(files) == 6  # 2 block kinds × (step, start, end)
+    assert log1 == ["stored"] * 6 and log2 == ["loaded"] * 6, (log1, log2)
+    for ar in (first, second):
+        assert [(r.init_loss, r.best_loss, r.best_iter) for r in ar.reports] == \
+            [(r.init_loss, r.best_loss, r.best_iter) for r in whole.reports]
+        for i in range(4):
+            for name, r in whole.results[i].items():
+                assert np.array_equal(r.packed, ar.results[i][name].packed), (i, name)
+                assert np.array_equal(r.scale, ar.results[i][name].scale), (i, name)
+
+
 def test_layer_config_parsing_and_bad_input(base, calib, caplog):
     assert parse_layer_config("{.*experts.*:{bits:2,group_size:64}}") == {".*experts.*": {"bits": 2, "group_size": 64}}
     assert parse_layer_config('{"mlp.shared_expert": {"bits": 8}}') == {"mlp.shared_expert": {"bits": 8}}
@@ -335,7 +365,8 @@ def test_data_parallel_mesh_takes_the_most_devices_that_divide_the_batch():
 def test_tuning_split_over_two_devices_equals_one(tmp_path):
     """tests/autoround_dp_probe.py in a process with two CPU devices: the first block's tuning on one device and split
     over two (the experts' rounding parameters split between them), one iteration, for the default recipe and for
-    SignRoundV2's top-0.1 % error filter (alg_ext); and the two-device step's program the same in a second process
+    SignRoundV2's top-0.1 % error filter (alg_ext); the two-device run's step is the program stored in and read
+    from a program cache; the two-device step's program and its program cache file the same in a second process
     with other string hashing. Measured (2026-12-05): iteration-0 loss equal to 2.2e-7
     relative, 0.03 % / 0.015 % of the codes differ (gradients near zero whose sign the summation order decides); with
     the gradients not summed across the devices 28 % / 21 % differed."""
@@ -358,6 +389,8 @@ def test_tuning_split_over_two_devices_equals_one(tmp_path):
     assert set(report) == set(hlo_only) == {"w4-experts-w2", "w2-alg-ext"}
     for name, rep in report.items():
         assert len(rep["step_hlo"]) == 1 and rep["step_hlo"] == hlo_only[name]["step_hlo"], name
+        assert len(rep["program_files"]) == 1 and rep["program_files"] == hlo_only[name]["program_files"], name
+        assert rep["program_files"][0] in os.listdir(tmp_path / "dp1.json.programs"), name  # stored, then run
         one, two = rep["init_loss"]
         assert abs(one - two) <= 1e-6 * abs(one), (name, one, two)
         assert rep["codes_differing"] <= 0.003 * rep["codes"], (name, rep)

@@ -23,6 +23,7 @@ from qjax.checkpoint.hub import default_model_dir
 from qjax.checkpoint.view import Checkpoint
 from qjax.convert.autoround_writer import save_autoround
 from qjax.convert.hf_writer import preflight, save_pretrained
+from qjax.program_cache import ProgramCache
 from qjax.quant.unquantized import kept_part
 
 from . import progress as prog
@@ -77,7 +78,7 @@ def format_dirs(output_dir: str, fmt) -> dict[str, str]:
 
 def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, dataset: str, fmt: str = "llm_compressor",
                     dtype=None, overwrite: bool = False, resume: bool = False, progress: bool = True,
-                    on_block=None) -> str:
+                    on_block=None, programs: ProgramCache | None = None) -> str:
     """Quantize the checkpoint in ``model_dir`` with AutoRound and write it to ``output_dir``.
 
     AutoRound tunes the decoder layers. The MTP head (``mtp.*``) and the vision tower (``model.visual.*``) are left
@@ -93,6 +94,7 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
         written to its own folder (:func:`format_dirs`).
       dtype: the dtype the blocks run in (default: the checkpoint's; auto-round runs in bf16).
       resume: continue a killed run from its last finished block (same options and data).
+      programs: where the tuning programs are kept traced between runs (:func:`program_cache`).
     Returns:
       ``output_dir``.
     """
@@ -123,7 +125,7 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
     fingerprint = json.loads(json.dumps(fingerprint))  # what state.json holds after a round trip
     pdir = progress_dir_for(output_dir)
     ar = AutoRound(model, ids, cfg, progress=progress, progress_dir=pdir, resume=resume, fingerprint=fingerprint,
-                   on_block=on_block)
+                   on_block=on_block, programs=programs)
     ar.run()
     qmodel = ar.quantized_model()
     extra = [os.path.join(model_dir, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]
@@ -333,6 +335,12 @@ def use_compile_cache(path: str | None) -> str | None:
     return path
 
 
+def program_cache(compile_cache: str | None) -> ProgramCache | None:
+    """The traced programs' store that goes with a compilation cache folder: its ``qjax-programs`` subfolder (JAX's
+    own cache files are ``*-cache`` at the top), None when the cache is off."""
+    return None if compile_cache is None else ProgramCache(os.path.join(compile_cache, "qjax-programs"))
+
+
 def use_cpu_devices(batch_size: int, environ=os.environ) -> int | None:
     """Before JAX's backend starts: one XLA:CPU device per core, up to ``batch_size``, so that a CPU run's tuning step
     splits its minibatch over the cores (:func:`qjax.autoround.driver.data_parallel_mesh`; each device runs
@@ -372,11 +380,12 @@ def cli(a) -> int:
             logging.basicConfig(format="%(message)s")
     cache = use_compile_cache(xla_env.compile_cache_dir(a.compile_cache))
     if not a.quiet:
-        print(f"compilation cache: {cache} (compiled tuning steps are reused across blocks and runs)" if cache else
-              "compilation cache: off (every block structure compiles its tuning step in this run)", file=sys.stderr)
+        print(f"compilation cache: {cache} (tuning steps, traced and compiled, are reused across blocks and runs)"
+              if cache else "compilation cache: off (every block structure traces and compiles its tuning step in "
+              "this run)", file=sys.stderr)
 
     out = quantize_folder(model_dir, a.output_dir, cfg, dataset=dataset, fmt=a.format, dtype=a.dtype,
-                          overwrite=a.overwrite, resume=a.resume, progress=not a.quiet)
+                          overwrite=a.overwrite, resume=a.resume, progress=not a.quiet, programs=program_cache(cache))
     for f, d in format_dirs(out, a.format).items():
         print(f"wrote {d} ({f})")
     return 0

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from qjax.model.config import FULL
+from qjax.program_cache import ProgramCache
 from qjax.quant.packing import pack_int32
 
 from . import blocks
@@ -152,11 +153,16 @@ class AutoRound:
 
     ``devices``: what the tuning step may split its minibatch over (:func:`data_parallel_mesh`; default all devices
     of the default backend, ``jax.devices()[:1]`` for one).
+
+    ``programs``: where the block programs (tuning step, start and end of a block) are kept traced between runs
+    (:class:`qjax.program_cache.ProgramCache`; ``qjax quantize`` keeps them beside its compilation cache). None:
+    each run traces them again.
     """
 
     def __init__(self, model, calib_ids: np.ndarray, cfg: AutoRoundConfig, *, progress: bool = True,
                  progress_dir: str | None = None, resume: bool = False, fingerprint: dict | None = None,
-                 on_block: Callable[[BlockReport], None] | None = None, devices=None):
+                 on_block: Callable[[BlockReport], None] | None = None, devices=None,
+                 programs: ProgramCache | None = None):
         if getattr(model, "quant", None) is not None:
             raise ValueError("AutoRound: the model is already quantized; start from the BF16/FP32 checkpoint")
         ids = np.asarray(calib_ids, np.int32)
@@ -174,6 +180,7 @@ class AutoRound:
         self.progress_dir, self.resume = progress_dir, resume
         self.fingerprint = fingerprint or {}
         self._ctxs: dict[int, object] = {}
+        self.programs = programs
         self.mesh = data_parallel_mesh(cfg.batch_size, devices)
         if self.mesh is not None:
             logger.info("tuning data parallel over %d devices (%d of each minibatch's %d samples on each)",
@@ -288,13 +295,13 @@ class AutoRound:
         # one program per block structure for the start and the end of a block (not op by op: on the first block of
         # each kind that was ~700 small programs traced, lowered and compiled or loaded one by one)
         tunable = tuple((u, s, self._alg_ext_scale(s)) for u, s in units if _is_tunable(s))
-        consts, params = _start_fn(tunable)(weights, imatrix)
+        consts, params = _start_fn(tunable, self.programs)(weights, imatrix)
         tune = cfg.iters > 0 and bool(params)
         stats = (None, None, None, None, None)
         if tune:
             params, stats = self._tune(i, layer, units, weights, consts, params, x_in, fp_out)
         plan = tuple((u, s, self._opt_rtn(s, u), self._alpha_max(s)) for u, s in units)
-        codes = jax.device_get(_end_fn(plan, cfg.scale_dtype)(weights, params, consts, imatrix))
+        codes = jax.device_get(_end_fn(plan, cfg.scale_dtype, self.programs)(weights, params, consts, imatrix))
         out: dict[str, UnitResult] = {}
         for u, s in units:
             k = u.shape[1]
@@ -367,7 +374,7 @@ class AutoRound:
             u.name for u, _ in tun if u.experts and self.mcfg.num_experts % mesh.size == 0))
         step = _make_step(graphdef, tuple(tun), tuple(units), filter_top, n_valid, cfg.scale_dtype,
                           tuple(sorted((u.name, self._alpha_max(s)) for u, s in tun)), tuple(sorted(lrs.items())),
-                          cfg.iters, mesh, sharded)
+                          cfg.iters, mesh, sharded, programs=self.programs)
         args = (state, weights, consts, fixed, x_in, fp_out, ctx, mask)
         best = jnp.asarray(jnp.inf, jnp.float32)
         carry = (params, opt_state, best, params, jnp.asarray(0, jnp.int32), jnp.asarray(-1, jnp.int32))
@@ -446,13 +453,25 @@ def _unit_weights_fn(units: tuple):
     return jax.jit(lambda weights: {u.name: blocks.unit_weight(weights, u) for u in units})
 
 
+def _jit(fn, programs: ProgramCache | None, static, out_structure=None):
+    """``jax.jit(fn)``, kept traced between runs in ``programs`` when given (``static``: what besides the inputs
+    decides ``fn``'s program)."""
+    if programs is None:
+        return jax.jit(fn)
+    return programs.jit(fn, static, out_structure=out_structure)
+
+
+def _graph_static(graphdef) -> tuple:
+    """A layer's graph as a program description: its nodes and static attributes (e.g. ``eps``, head counts)."""
+    return repr(graphdef.nodes), repr(graphdef.attributes)
+
+
 @functools.lru_cache(maxsize=64)
-def _start_fn(tunable: tuple):
+def _start_fn(tunable: tuple, programs: ProgramCache | None = None):
     """The jitted start of a block (cached per block structure): ``(weights, imatrix) → (consts, params)`` for each
     tunable unit of ``tunable = ((unit, scheme, alg_ext scale search), …)`` — its frozen per-group range (and, with
     alg_ext, the searched initial scale) and its rounding parameters at auto-round's start."""
 
-    @jax.jit
     def start(weights, imatrix):
         consts, params = {}, {}
         for u, s, search in tunable:
@@ -465,18 +484,17 @@ def _start_fn(tunable: tuple):
             params[u.name] = init_params(w, s.group_size)
         return consts, params
 
-    return start
+    return _jit(start, programs, ("qjax.autoround.start", tunable))
 
 
 @functools.lru_cache(maxsize=64)
-def _end_fn(plan: tuple, scale_dtype: str):
+def _end_fn(plan: tuple, scale_dtype: str, programs: ProgramCache | None = None):
     """The jitted end of a block (cached per block structure): ``(weights, params, consts, imatrix) → {unit: codes}``
     for ``plan = ((unit, scheme, opt-RTN, alpha_max), …)``: ``(values, scale)`` of an MXFP8 unit (imatrix-weighted
     under opt-RTN); ``(q, scale, None)`` of auto-round's optimized RTN (imatrix-weighted scale search, one-shot
     rounding); else ``(q, scale, zp or None)`` of the clamped parameters' quantize-dequantize."""
     qcfg = AutoRoundConfig(scale_dtype=scale_dtype)
 
-    @jax.jit
     def end(weights, params, consts, imatrix):
         out = {}
         for u, s, opt_rtn, alpha_max in plan:
@@ -491,7 +509,7 @@ def _end_fn(plan: tuple, scale_dtype: str):
                 out[u.name] = (q, scale, zp)
         return out
 
-    return end
+    return _jit(end, programs, ("qjax.autoround.end", plan, scale_dtype))
 
 
 @functools.lru_cache(maxsize=16)
@@ -550,7 +568,7 @@ def block_loss(graphdef, tun_schemes: dict[str, Scheme], units: tuple, *, filter
 
 @functools.lru_cache(maxsize=64)
 def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max, lrs, iters, mesh=None,
-               sharded: tuple[str, ...] = ()):
+               sharded: tuple[str, ...] = (), programs: ProgramCache | None = None):
     """The jitted ``chunk``-iteration tuning step of one block structure (cached: identical layers share it).
 
     Carry: (params, opt_state, best loss, best params, iteration, best iteration); ``idxs [k, B]`` are the
@@ -558,8 +576,10 @@ def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max
     them if best so far, and takes one sign-SGD step. With a ``mesh`` (:func:`data_parallel_mesh`) each device
     takes its columns of ``idxs`` and ``ctx``/``mask`` are one device's share; the units in ``sharded`` hold their
     experts split over the devices (:func:`_step_specs`: ``params``, ``consts``, ``fixed`` and the carry's
-    parameters), every other operand is replicated.
+    parameters), every other operand is replicated. With ``programs`` the traced step is kept between runs.
     """
+    static = ("qjax.autoround.step", _graph_static(graphdef), tun, units, filter_top, n_valid, scale_dtype, alpha_max,
+              lrs, iters, None if mesh is None else (mesh.axis_names, mesh.devices.shape), sharded)
     alpha_max = dict(alpha_max)
     opt = _optimizer(lrs, iters)
     axis = None if mesh is None else DATA
@@ -591,13 +611,16 @@ def _make_step(graphdef, tun, units, filter_top, n_valid, scale_dtype, alpha_max
         return jax.lax.scan(lambda c, ix: one(c, ix, state, weights, consts, fixed, x_in, fp_out, ctx, mask),
                             carry, idxs)
 
-    if mesh is None:
-        return jax.jit(step)
-    carry, args = _step_specs([u.name for u, _ in tun], [u.name for u, _ in units], sharded)
-    # check_vma off: the layer's own scans (GDN chunks, expert blocks) start from zeros that are the same on every
-    # device and carry per-device values; the body's psum is what makes the outputs replicated
-    return jax.jit(jax.shard_map(step, mesh=mesh, out_specs=(carry, P()), check_vma=False,
-                                 in_specs=(carry, P(None, DATA), *args)))
+    def out_structure(args):  # (carry, losses): the carry comes back as it went in (optax states: not serializable)
+        return jax.tree.structure((args[0], 0))
+
+    if mesh is not None:
+        carry, args = _step_specs([u.name for u, _ in tun], [u.name for u, _ in units], sharded)
+        # check_vma off: the layer's own scans (GDN chunks, expert blocks) start from zeros that are the same on every
+        # device and carry per-device values; the body's psum is what makes the outputs replicated
+        step = jax.shard_map(step, mesh=mesh, out_specs=(carry, P()), check_vma=False,
+                             in_specs=(carry, P(None, DATA), *args))
+    return _jit(step, programs, static, out_structure)
 
 
 def _step_specs(tunable, units, sharded: tuple[str, ...]) -> tuple[tuple, tuple]:

@@ -1,0 +1,186 @@
+"""Traced programs kept between processes: JAX's persistent compilation cache skips XLA's compile in a later run,
+but every process still traces and lowers each jitted function before it can look the compiled program up. For
+AutoRound's tuning step on CPU that is ~1 s of tracing and ~0.3 s of lowering per block structure in every run
+(RESULTS.md, AutoRound). :class:`ProgramCache` stores a function's lowered program (``jax.export``, StableHLO) the
+first time it runs with a given input signature and, in later processes, calls the stored program instead of
+tracing the Python function again (the compile itself still goes through the compilation cache).
+
+A stored program is only valid for the code that traced it, so its file name is a hash of everything that decides
+the trace: the caller's ``static`` description (the function's static arguments), the input tree and every input's
+shape, dtype and sharding, the versions of jax, jaxlib, flax, optax and numpy, the jax options that change tracing
+(x64, matmul precision, …) and the source of qjax itself (every ``.py`` of the ``qjax``, ``qjax.kernels`` and
+``qjax.convert`` packages). A description whose ``repr`` shows an object address (``0x…``, not stable across
+processes) is not cached. A file that cannot be read back, or whose inputs do not match the call, is reported in
+one line and replaced; when a program cannot be stored (an output type ``jax.export`` cannot serialize without
+``out_structure``, or ``flatbuffers`` missing) the function runs as a plain ``jax.jit``, with one log line.
+
+Only for functions whose behaviour is fully determined by qjax's code and the ``static`` description (qjax's own
+jitted programs): a user function closing over changing Python state would be served a stale program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import tempfile
+from functools import cache
+from typing import Any, Callable
+
+import jax
+
+logger = logging.getLogger("qjax.programs")
+
+FORMAT = 1  # bump when the file layout or the key's recipe changes
+
+# jax options that change what a function traces to
+_TRACE_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_dtype_promotion",
+                  "jax_numpy_rank_promotion", "jax_default_prng_impl", "jax_threefry_partitionable",
+                  "jax_use_shardy_partitioner")
+
+
+@cache
+def code_fingerprint() -> str:
+    """sha256 of the versions of the libraries a qjax program is traced with and of qjax's own source files."""
+    h = hashlib.sha256()
+    for name in ("jax", "jaxlib", "flax", "optax", "numpy"):
+        h.update(f"{name}={importlib.metadata.version(name)}\n".encode())
+    for pkg in ("qjax", "qjax.kernels", "qjax.convert"):  # found, not imported (kernels/ and convert/ map in)
+        root = importlib.util.find_spec(pkg).submodule_search_locations[0]
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for f in sorted(filenames):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    h.update(f"{pkg}:{os.path.relpath(path, root)}\n".encode())
+                    with open(path, "rb") as fh:
+                        h.update(hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()
+
+
+def _trace_options() -> tuple:
+    return tuple((n, str(getattr(jax.config, n, None))) for n in _TRACE_OPTIONS)
+
+
+def _leaf_signature(x) -> tuple:
+    """What a traced program depends on of one input: shape, dtype, weak type and sharding."""
+    aval = jax.typeof(x)
+    return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)),
+            repr(getattr(x, "sharding", None)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProgramCache:
+    """Traced programs stored under ``folder`` (created on first store).
+
+    ``cache.jit(fn, static)`` is ``jax.jit(fn)`` that traces ``fn`` at most once per input signature across
+    processes sharing ``folder``. ``static``: anything with a stable ``repr`` that, with qjax's code, determines what
+    ``fn`` computes (its static arguments). ``out_structure(args) → PyTreeDef`` of ``fn(*args)``'s result, needed when
+    the result holds types ``jax.export`` cannot serialize (optax states, flax ``State``s); without it the result may
+    only hold dicts, lists, tuples, None and arrays.
+
+    Equal only to itself (a handle, not a value): the jitted functions memoised per handle read the folder again
+    through a new handle."""
+
+    folder: str
+
+    def jit(self, fn: Callable, static: Any, *, out_structure: Callable[[tuple], Any] | None = None) -> Callable:
+        return _Cached(self, fn, repr(static), out_structure)
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.folder, f"{key}.jaxexport")
+
+
+class _Cached:
+    def __init__(self, cache: ProgramCache, fn: Callable, static: str, out_structure):
+        self.cache, self.fn, self.static, self.out_structure = cache, fn, static, out_structure
+        self.calls: dict[tuple, Callable] = {}  # input signature → the callable on the input leaves
+        self.loaded = self.stored = 0  # programs read back / written by this object (tests, logs)
+
+    def __call__(self, *args):
+        leaves, tree = jax.tree.flatten(args)
+        sig = (tree, tuple(_leaf_signature(x) for x in leaves))
+        call = self.calls.get(sig)
+        if call is None:
+            call = self.calls[sig] = self._program(sig, tree, leaves)
+        out = call(*leaves)
+        if self.out_structure is not None:
+            return jax.tree.unflatten(self.out_structure(args), out)
+        return out
+
+    def path_for(self, *args) -> str | None:
+        """The file that holds (or will hold) the program of a call with ``args``; None when it is not kept."""
+        leaves, tree = jax.tree.flatten(args)
+        return self._path((tree, tuple(_leaf_signature(x) for x in leaves)))
+
+    def _path(self, sig) -> str | None:
+        desc = repr((FORMAT, self.static, sig, _trace_options(), code_fingerprint()))
+        if "0x" in desc:  # an object address: the description would differ in every process
+            return None
+        return self.cache.path(hashlib.sha256(desc.encode()).hexdigest())
+
+    def _program(self, sig, tree, leaves) -> Callable:
+        if self.out_structure is None:
+            def flat(*xs):
+                return self.fn(*jax.tree.unflatten(tree, xs))
+        else:
+            def flat(*xs):
+                return jax.tree.leaves(self.fn(*jax.tree.unflatten(tree, xs)))
+        path = self._path(sig)
+        if path is None:
+            logger.debug("program not kept between runs (its description shows an object address): %.200s",
+                         self.static)
+            return jax.jit(flat)
+        if os.path.exists(path):
+            exported = self._read(path, leaves)
+            if exported is not None:
+                self.loaded += 1
+                logger.debug("traced program loaded from %s", path)
+                return jax.jit(exported.call)
+        try:
+            exported = jax.export.export(jax.jit(flat))(*leaves)
+            data = exported.serialize()
+        except Exception as e:  # noqa: BLE001 - any reason not to store falls back to the plain jit
+            logger.info("program not kept between runs (%s: %s); tracing it in every run",
+                        type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            return jax.jit(flat)
+        if self._write(path, data):
+            self.stored += 1
+            logger.debug("traced program stored in %s", path)
+        return jax.jit(exported.call)
+
+    @staticmethod
+    def _read(path: str, leaves):
+        try:
+            with open(path, "rb") as f:
+                exported = jax.export.deserialize(bytearray(f.read()))
+            want = [jax.typeof(x) for x in leaves]
+            got = list(exported.in_avals)
+            if len(got) != len(want) or any(
+                    tuple(g.shape) != tuple(w.shape) or g.dtype != w.dtype for g, w in zip(got, want)):
+                raise ValueError("its inputs do not match the call's")
+            return exported
+        except Exception as e:  # noqa: BLE001 - a bad file is replaced, not fatal
+            logger.warning("%s: stored program unusable (%s: %s); tracing again and replacing it", path,
+                           type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            return None
+
+    def _write(self, path: str, data: bytes) -> bool:
+        """Atomically (a temporary file renamed over the name): a reader sees a whole program or none."""
+        try:
+            os.makedirs(self.cache.folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.cache.folder, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as e:
+            logger.warning("%s: could not store the traced program (%s); it is traced again next run", path, e)
+            return False
+        return True
