@@ -209,7 +209,8 @@ def test_resume_after_kill_gives_the_same_result(base, calib, tmp_path):
 
 
 def test_kept_programs_give_the_same_result(base, calib, tmp_path, caplog):
-    """With a program cache the first run stores each block program (tuning step, start, end of each block kind);
+    """With a program cache the first run stores each block program (forward, tuning step, start, end of each block
+    kind);
     a second run (a new handle on the folder, as a new process has) reads them all back instead of tracing, and both
     end with exactly the result of a run without the cache."""
     cfg = _config(iters=6)
@@ -226,8 +227,8 @@ def test_kept_programs_give_the_same_result(base, calib, tmp_path, caplog):
         runs.append((ar, [r.getMessage().split(" ")[2] for r in caplog.records]))
     (first, log1), (second, log2) = runs
     files = sorted(os.listdir(folder))
-    assert len(files) == 6  # 2 block kinds × (step, start, end)
-    assert log1 == ["stored"] * 6 and log2 == ["loaded"] * 6, (log1, log2)
+    assert len(files) == 8  # 2 block kinds × (forward, step, start, end)
+    assert log1 == ["stored"] * 8 and log2 == ["loaded"] * 8, (log1, log2)
     for ar in (first, second):
         assert [(r.init_loss, r.best_loss, r.best_iter) for r in ar.reports] == \
             [(r.init_loss, r.best_loss, r.best_iter) for r in whole.reports]

@@ -154,9 +154,9 @@ class AutoRound:
     ``devices``: what the tuning step may split its minibatch over (:func:`data_parallel_mesh`; default all devices
     of the default backend, ``jax.devices()[:1]`` for one).
 
-    ``programs``: where the block programs (tuning step, start and end of a block) are kept traced between runs
-    (:class:`qjax.program_cache.ProgramCache`; ``qjax quantize`` keeps them beside its compilation cache). None:
-    each run traces them again.
+    ``programs``: where the block programs (layer forward, tuning step, start and end of a block) are kept traced
+    between runs (:class:`qjax.program_cache.ProgramCache`; ``qjax quantize`` keeps them beside its compilation
+    cache). None: each run traces them again.
     """
 
     def __init__(self, model, calib_ids: np.ndarray, cfg: AutoRoundConfig, *, progress: bool = True,
@@ -220,7 +220,7 @@ class AutoRound:
     def _forward(self, layer, h: jnp.ndarray) -> jnp.ndarray:
         """``layer(h)`` over the whole stream, ``batch_size`` samples at a time."""
         graphdef, state = nnx.split(layer)
-        fn = _forward_fn(graphdef)
+        fn = _forward_fn(graphdef, self.programs)
         bs = self.cfg.batch_size
         outs = [fn(state, h[i:i + bs], self._ctx(min(bs, h.shape[0] - i))) for i in range(0, h.shape[0], bs)]
         return jnp.concatenate(outs)
@@ -513,8 +513,12 @@ def _end_fn(plan: tuple, scale_dtype: str, programs: ProgramCache | None = None)
 
 
 @functools.lru_cache(maxsize=16)
-def _forward_fn(graphdef):
-    return jax.jit(lambda st, x, ctx: nnx.merge(graphdef, st)(x, ctx, None)[0])
+def _forward_fn(graphdef, programs: ProgramCache | None = None):
+    """``(state, x, ctx) → layer(x)`` for a layer's ``graphdef`` (the streams' forwards)."""
+    def forward(st, x, ctx):
+        return nnx.merge(graphdef, st)(x, ctx, None)[0]
+
+    return _jit(forward, programs, ("qjax.autoround.forward", _graph_static(graphdef)))
 
 
 def _optimizer(lrs: tuple, iters: int) -> optax.GradientTransformation:
