@@ -312,6 +312,10 @@ def report(runs: dict, mse: dict, a) -> str:
              f"**qjax/auto-round = {ratio:.2f}** (target ≤ {TARGET}: {'MET' if ratio <= TARGET else 'MISSED'}); "
              f"qjax again with that cache warm {qw_t:.1f} s → **{ratio_w:.2f}** "
              f"({'MET' if ratio_w <= TARGET else 'MISSED'}); each qjax run in a fresh process",
+             "- each repeat (auto-round, then qjax cold, then warm, interleaved): "
+             + "; ".join(f"{a_['total']:.1f} / {c['total']:.1f} / {w['total']:.1f} s → {c['total'] / a_['total']:.2f} / "
+                         f"{w['total'] / a_['total']:.2f}"
+                         for a_, c, w in zip(runs["auto-round"], runs["qjax"], runs["qjax-warm"])),
              f"- final-logit MSE vs the bf16 model on held-out ids {list(mse['ids_shape'])}: auto-round "
              f"{mse['auto-round'][0]:.3e}, qjax {mse['qjax'][0]:.3e}; perplexity of those ids: BF16 "
              f"{mse['bf16_ppl']:.2f}, auto-round {mse['auto-round'][1]:.2f}, qjax {mse['qjax'][1]:.2f} (the same "
