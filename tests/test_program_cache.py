@@ -85,10 +85,37 @@ def test_everything_that_decides_the_program_is_in_its_key(tmp_path, change, mon
     assert fresh.loaded == 0 and fresh.stored == 1 and len(_files(tmp_path)) == 2 and len(traced) == 2
 
 
-def test_code_fingerprint_covers_the_packages_sources():
+def test_code_fingerprint_follows_every_source_file(tmp_path, monkeypatch):
+    """An edit, a new module or a renamed one in any of the three packages changes the fingerprint; bytecode caches
+    and other files do not."""
+    import types
+
+    roots = {pkg: tmp_path / pkg for pkg in ("qjax", "qjax.kernels", "qjax.convert")}
+    for root in roots.values():
+        (root / "sub").mkdir(parents=True)
+        (root / "a.py").write_text("x = 1\n")
+        (root / "sub" / "b.py").write_text("y = 2\n")
+    monkeypatch.setattr(program_cache.importlib.util, "find_spec",
+                        lambda name: types.SimpleNamespace(submodule_search_locations=[str(roots[name])]))
+
+    def fingerprint():
+        program_cache.code_fingerprint.cache_clear()
+        return program_cache.code_fingerprint()
+
+    seen = [fingerprint()]
+    assert fingerprint() == seen[0]
+    (roots["qjax"] / "__pycache__").mkdir()
+    (roots["qjax"] / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (roots["qjax.kernels"] / "notes.txt").write_text("not code")
+    assert fingerprint() == seen[0]
+    for change in (lambda: (roots["qjax.kernels"] / "sub" / "b.py").write_text("y = 3\n"),
+                   lambda: (roots["qjax.convert"] / "c.py").write_text(""),
+                   lambda: (roots["qjax"] / "a.py").rename(roots["qjax"] / "a2.py")):
+        change()
+        seen.append(fingerprint())
+        assert len(set(seen)) == len(seen), "a source change left the fingerprint as it was"
+    monkeypatch.undo()
     program_cache.code_fingerprint.cache_clear()
-    fp = program_cache.code_fingerprint()
-    assert len(fp) == 64 and fp == program_cache.code_fingerprint()
 
 
 def test_a_damaged_file_is_named_and_replaced(tmp_path, caplog):
