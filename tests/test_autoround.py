@@ -179,7 +179,24 @@ def _split(layer):
     return nnx.split(layer)
 
 
-def test_resume_after_kill_gives_the_same_result(base, calib, tmp_path):
+@pytest.fixture(scope="module")
+def six_iters(base, calib):
+    """An uninterrupted 6-iteration run on the float32 model: what resumed and program-cached runs must equal."""
+    ar = AutoRound(qjax.load_model(base[0], dtype=jnp.float32), calib, _config(iters=6), progress=False)
+    ar.run()
+    return ar
+
+
+def _same_results(a, b) -> None:
+    assert [(r.init_loss, r.best_loss, r.best_iter) for r in a.reports] == \
+        [(r.init_loss, r.best_loss, r.best_iter) for r in b.reports]
+    for i in range(4):
+        for name, r in a.results[i].items():
+            assert np.array_equal(r.packed, b.results[i][name].packed), (i, name)
+            assert np.array_equal(r.scale, b.results[i][name].scale), (i, name)
+
+
+def test_resume_after_kill_gives_the_same_result(base, calib, tmp_path, six_iters):
     """A run killed after block 1 resumes from block 2 and ends with exactly the uninterrupted result."""
     cfg = _config(iters=6)
     pdir = str(tmp_path / "progress")
@@ -198,17 +215,15 @@ def test_resume_after_kill_gives_the_same_result(base, calib, tmp_path):
                         on_block=lambda r: seen.append(r.index))
     resumed.run()
     assert seen == [2, 3]
-    whole = AutoRound(model, calib, cfg, progress=False)
-    whole.run()
     for i in range(4):
-        for name, r in whole.results[i].items():
+        for name, r in six_iters.results[i].items():
             assert np.array_equal(r.packed, resumed.results[i][name].packed), (i, name)
             assert np.array_equal(r.scale, resumed.results[i][name].scale), (i, name)
     with pytest.raises(ResumeError, match="different run"):
         AutoRound(model, calib, cfg, progress=False, progress_dir=pdir, fingerprint={"run": "b"}, resume=True).run()
 
 
-def test_kept_programs_give_the_same_result(base, calib, tmp_path, caplog):
+def test_kept_programs_give_the_same_result(base, calib, tmp_path, caplog, six_iters):
     """With a program cache the first run stores each block program (forward, tuning step, start, end of each block
     kind);
     a second run (a new handle on the folder, as a new process has) reads them all back instead of tracing, and both
@@ -216,8 +231,6 @@ def test_kept_programs_give_the_same_result(base, calib, tmp_path, caplog):
     cfg = _config(iters=6)
     model = qjax.load_model(base[0], dtype=jnp.float32)
     folder = str(tmp_path / "programs")
-    whole = AutoRound(model, calib, cfg, progress=False)
-    whole.run()
     runs = []
     for _ in range(2):
         caplog.clear()
@@ -230,12 +243,7 @@ def test_kept_programs_give_the_same_result(base, calib, tmp_path, caplog):
     assert len(files) == 8  # 2 block kinds × (forward, step, start, end)
     assert log1 == ["stored"] * 8 and log2 == ["loaded"] * 8, (log1, log2)
     for ar in (first, second):
-        assert [(r.init_loss, r.best_loss, r.best_iter) for r in ar.reports] == \
-            [(r.init_loss, r.best_loss, r.best_iter) for r in whole.reports]
-        for i in range(4):
-            for name, r in whole.results[i].items():
-                assert np.array_equal(r.packed, ar.results[i][name].packed), (i, name)
-                assert np.array_equal(r.scale, ar.results[i][name].scale), (i, name)
+        _same_results(six_iters, ar)
 
 
 def test_layer_config_parsing_and_bad_input(base, calib, caplog):
