@@ -65,6 +65,12 @@ def _trace_options() -> tuple:
     return tuple((n, str(getattr(jax.config, n, None))) for n in _TRACE_OPTIONS)
 
 
+def _reason(e: Exception) -> str:
+    """An exception as one short log fragment: its type and the first line of its message."""
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+
+
 def _leaf_signature(x) -> tuple:
     """What a traced program depends on of one input: shape, dtype, weak type and sharding."""
     aval = jax.typeof(x)
@@ -144,8 +150,7 @@ class _Cached:
             exported = jax.export.export(jax.jit(flat))(*leaves)
             data = exported.serialize()
         except Exception as e:  # noqa: BLE001 - any reason not to store falls back to the plain jit
-            logger.info("program not kept between runs (%s: %s); tracing it in every run",
-                        type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            logger.info("program not kept between runs (%s); tracing it in every run", _reason(e))
             return jax.jit(flat)
         if self._write(path, data):
             self.stored += 1
@@ -164,8 +169,7 @@ class _Cached:
                 raise ValueError("its inputs do not match the call's")
             return exported
         except Exception as e:  # noqa: BLE001 - a bad file is replaced, not fatal
-            logger.warning("%s: stored program unusable (%s: %s); tracing again and replacing it", path,
-                           type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            logger.warning("%s: stored program unusable (%s); tracing again and replacing it", path, _reason(e))
             return None
 
     def _write(self, path: str, data: bytes) -> bool:
