@@ -71,6 +71,12 @@ def _reason(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
 
 
+def _signature(args: tuple) -> tuple:
+    """``(leaves, tree, signature)`` of a call's arguments: the signature is what its program depends on of them."""
+    leaves, tree = jax.tree.flatten(args)
+    return leaves, tree, (tree, tuple(_leaf_signature(x) for x in leaves))
+
+
 def _leaf_signature(x) -> tuple:
     """What a traced program depends on of one input: shape, dtype, weak type and sharding."""
     aval = jax.typeof(x)
@@ -107,8 +113,7 @@ class _Cached:
         self.loaded = self.stored = 0  # programs read back / written by this object (tests, logs)
 
     def __call__(self, *args):
-        leaves, tree = jax.tree.flatten(args)
-        sig = (tree, tuple(_leaf_signature(x) for x in leaves))
+        leaves, tree, sig = _signature(args)
         call = self.calls.get(sig)
         if call is None:
             call = self.calls[sig] = self._program(sig, tree, leaves)
@@ -119,8 +124,7 @@ class _Cached:
 
     def path_for(self, *args) -> str | None:
         """The file that holds (or will hold) the program of a call with ``args``; None when it is not kept."""
-        leaves, tree = jax.tree.flatten(args)
-        return self._path((tree, tuple(_leaf_signature(x) for x in leaves)))
+        return self._path(_signature(args)[2])
 
     def _path(self, sig) -> str | None:
         desc = repr((FORMAT, self.static, sig, _trace_options(), code_fingerprint()))
@@ -129,12 +133,10 @@ class _Cached:
         return self.cache.path(hashlib.sha256(desc.encode()).hexdigest())
 
     def _program(self, sig, tree, leaves) -> Callable:
-        if self.out_structure is None:
-            def flat(*xs):
-                return self.fn(*jax.tree.unflatten(tree, xs))
-        else:
-            def flat(*xs):
-                return jax.tree.leaves(self.fn(*jax.tree.unflatten(tree, xs)))
+        def flat(*xs):
+            out = self.fn(*jax.tree.unflatten(tree, xs))
+            return out if self.out_structure is None else jax.tree.leaves(out)
+
         path = self._path(sig)
         if path is None:
             logger.debug("program not kept between runs (its description shows an object address): %.200s",
