@@ -61,6 +61,35 @@ def test_a_stored_program_is_read_back_without_tracing(tmp_path):
     assert again.path_for(*args) == first.path_for(*args) == os.path.join(tmp_path, _files(tmp_path)[0])
 
 
+@pytest.mark.parametrize("kept", ["nothing", "stored", "loaded"])
+def test_one_program_whatever_the_inputs_committedness(tmp_path, kept):
+    # jax.jit lowers and compiles again when the same shapes come placed (device_put, a computation's output) in one
+    # call and made from host data in another; the cache's programs must not (AutoRound compiled a forward twice)
+    folder = None if kept == "nothing" else str(tmp_path)
+    if kept == "loaded":
+        ProgramCache(folder).jit(_body, "body")(*_args())
+    fn = ProgramCache(folder).jit(_body, "body")
+    x, w = _args()
+    dev = jax.devices()[0]
+    want = jax.jit(_body)(x, w)
+    assert not x.committed
+    _same(fn(x, w), want)
+    lowered = []
+
+    def listen(event, secs, **kw):
+        if event.endswith("jaxpr_to_mlir_module_duration"):
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for args in ((jax.device_put(x, dev), w), (x, jax.device_put(w, dev)), jax.device_put((x, w), dev)):
+            _same(fn(*args), want)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert lowered == []
+    assert (fn.stored, fn.loaded) == {"nothing": (0, 0), "stored": (1, 0), "loaded": (0, 1)}[kept]
+
+
 @pytest.mark.parametrize("change", ["static", "shape", "dtype", "tree", "code", "x64"])
 def test_everything_that_decides_the_program_is_in_its_key(tmp_path, change, monkeypatch):
     fn, traced = _counting(_body)

@@ -455,10 +455,8 @@ def _unit_weights_fn(units: tuple):
 
 def _jit(fn, programs: ProgramCache | None, static, out_structure=None):
     """``jax.jit(fn)``, kept traced between runs in ``programs`` when given (``static``: what besides the inputs
-    decides ``fn``'s program)."""
-    if programs is None:
-        return jax.jit(fn)
-    return programs.jit(fn, static, out_structure=out_structure)
+    decides ``fn``'s program); either way compiled once per input signature (:class:`ProgramCache`)."""
+    return (programs or ProgramCache(None)).jit(fn, static, out_structure=out_structure)
 
 
 def _graph_static(graphdef) -> tuple:
