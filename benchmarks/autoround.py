@@ -20,6 +20,10 @@ Also: total wall time of each ``quantize`` call (model load and export excluded 
 yardstick the final-logit MSE of each quantized model against the bf16 model on held-out ids (qjax loads both
 folders, so the same code scores them).
 
+Repeats (``--repeats N``) interleave the tools and give repeat r the seed ``--seed + r`` in both (the minibatch
+order): times are medians over the repeats; the best-loss comparison and the held-out scores cover every seed (one
+seed's block-by-block comparison is largely chance: each tool draws its own minibatches).
+
 qjax runs twice per repeat, each in a fresh process sharing one persistent compilation cache (with the traced
 programs kept beside it): first cold (an empty cache: every tuning step is traced and compiled), then warm (the steps
 load from the cache), as ``qjax quantize`` runs by default.
@@ -154,7 +158,7 @@ def run_auto_round(base: str, calib: str, out: str, a) -> dict:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
     gs, egs = RECIPES[a.config]
     ar = AutoRound(model, tokenizer=tok, scheme="W4A16", bits=4, group_size=gs, iters=a.iters, nsamples=a.nsamples,
-                   seqlen=a.seqlen, batch_size=a.batch_size, dataset=calib,
+                   seqlen=a.seqlen, batch_size=a.batch_size, dataset=calib, seed=a.seed,
                    layer_config={".*experts.*": {"bits": 2, "group_size": egs}},
                    # torch.compile (inductor, CPU, torch 2.13) turns every block's loss into NaN on this architecture
                    # ("bf16 and fp16 are mixed in the scheduler node"); eager gives finite losses
@@ -179,7 +183,7 @@ def run_qjax(base: str, calib: str, out: str, a, programs=None) -> dict:
     ids = calibration_ids(calib, load_tokenizer(base), nsamples=a.nsamples, seqlen=a.seqlen)
     gs, egs = RECIPES[a.config]
     cfg = AutoRoundConfig(bits=4, group_size=gs, layer_config={".*experts.*": {"bits": 2, "group_size": egs}},
-                          iters=a.iters, nsamples=a.nsamples, seqlen=a.seqlen, batch_size=a.batch_size)
+                          iters=a.iters, nsamples=a.nsamples, seqlen=a.seqlen, batch_size=a.batch_size, seed=a.seed)
     ar = AutoRound(model, ids, cfg, progress=False, programs=programs)
     t0 = time.perf_counter()
     ar.run()
@@ -196,7 +200,7 @@ def run_qjax_process(base: str, calib: str, out: str, a, cache: str) -> dict:
     import subprocess
 
     spec = {"base": base, "calib": calib, "out": out, "cache": cache, "result": out + ".json",
-            "args": {k: getattr(a, k) for k in ("config", "iters", "nsamples", "seqlen", "batch_size")}}
+            "args": {k: getattr(a, k) for k in ("config", "iters", "nsamples", "seqlen", "batch_size", "seed")}}
     subprocess.run([sys.executable, "-P", os.path.abspath(__file__)],
                    env={**os.environ, "QJAX_AUTOROUND_WORKER": json.dumps(spec)}, check=True)
     with open(spec["result"], encoding="utf-8") as f:
@@ -251,7 +255,9 @@ def main() -> None:
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each tool (median of the totals)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each tool (median of the totals); repeat r tunes with seed --seed + r in both tools")
+    ap.add_argument("--seed", type=int, default=42, help="the first repeat's seed (auto-round's and qjax's default)")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,14 +277,18 @@ def main() -> None:
         with open(os.path.join(base, "config.json")) as f:
             a.layer_kinds = json.load(f)["layer_types"]
         runs = {"auto-round": [], "qjax": [], "qjax-warm": []}
+        first_seed = a.seed
         for rep in range(a.repeats):
-            # interleaved, so background load hits both alike; qjax twice: a cold compilation cache, then warm
+            # interleaved, so background load hits both alike; qjax twice: a cold compilation cache, then warm (the
+            # same seed: the same result); each repeat its own seed, so the loss comparison covers several samplings
+            a.seed = first_seed + rep
             cache = os.path.join(tmp, f"jax-cache{rep}")
             runs["auto-round"].append(run_auto_round(base, calib, os.path.join(tmp, f"ar{rep}"), a))
             runs["qjax"].append(run_qjax_process(base, calib, os.path.join(tmp, f"qj{rep}"), a, cache))
             runs["qjax-warm"].append(run_qjax_process(base, calib, os.path.join(tmp, f"qw{rep}"), a, cache))
-        mse = {"auto-round": logit_mse(base, _folder(os.path.join(tmp, "ar0")), held),
-               "qjax": logit_mse(base, os.path.join(tmp, "qj0"), held),
+        a.seed = first_seed
+        mse = {"auto-round": [logit_mse(base, _folder(os.path.join(tmp, f"ar{r}")), held) for r in range(a.repeats)],
+               "qjax": [logit_mse(base, os.path.join(tmp, f"qj{r}"), held) for r in range(a.repeats)],
                "bf16_ppl": logit_mse(base, base, held)[1], "ids_shape": held.shape}
     text = report(runs, mse, a)
     print(text)
@@ -301,6 +311,7 @@ def report(runs: dict, mse: dict, a) -> str:
     qw_t = statistics.median(r["total"] for r in runs["qjax-warm"])
     qw0 = runs["qjax-warm"][0]
     ratio, ratio_w = qj_t / ar_t, qw_t / ar_t
+    seeds = " / ".join(str(a.seed + r) for r in range(a.repeats))
     lines = [section(a.config), "",
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, {os.cpu_count()} CPU cores "
              f"(shared), {platform.python_version()}",
@@ -316,10 +327,11 @@ def report(runs: dict, mse: dict, a) -> str:
              + "; ".join(f"{a_['total']:.1f} / {c['total']:.1f} / {w['total']:.1f} s → {c['total'] / a_['total']:.2f} / "
                          f"{w['total'] / a_['total']:.2f}"
                          for a_, c, w in zip(runs["auto-round"], runs["qjax"], runs["qjax-warm"])),
-             f"- final-logit MSE vs the bf16 model on held-out ids {list(mse['ids_shape'])}: auto-round "
-             f"{mse['auto-round'][0]:.3e}, qjax {mse['qjax'][0]:.3e}; perplexity of those ids: BF16 "
-             f"{mse['bf16_ppl']:.2f}, auto-round {mse['auto-round'][1]:.2f}, qjax {mse['qjax'][1]:.2f} (the same "
-             "qjax code scores both folders)", "",
+             f"- final-logit MSE vs the bf16 model on held-out ids {list(mse['ids_shape'])} (seed {seeds}): "
+             f"auto-round {_each(mse['auto-round'], 0, '{:.3e}')}, qjax {_each(mse['qjax'], 0, '{:.3e}')}; "
+             f"perplexity of those ids: BF16 {mse['bf16_ppl']:.2f}, auto-round {_each(mse['auto-round'], 1, '{:.2f}')}, "
+             f"qjax {_each(mse['qjax'], 1, '{:.2f}')} (the same qjax code scores both folders)", "",
+             "Per-block tables: the first repeat (seed " + str(a.seed) + ").", "",
              "| block | auto-round s | qjax s (cold cache) | qjax s (warm) | auto-round loss it0 → best | "
              "qjax loss it0 → best |",
              "|---|---|---|---|---|---|"]
@@ -344,11 +356,25 @@ def report(runs: dict, mse: dict, a) -> str:
         lines += ["", f"Without the blocks that compile (qjax's first block of each layer kind: "
                       f"{sorted(first.values())}): auto-round {ar_rest:.1f} s, qjax {qj_rest:.1f} s → "
                       f"{qj_rest / ar_rest:.2f} (first run of each tool)."]
-    lower = sum(1 for x, y in zip(qj0["best"], ar0["best"]) if x is not None and x <= y)
-    lines += ["", f"qjax's best block loss ≤ auto-round's in {lower} of {min(len(ar0['best']), len(qj0['best']))} "
-                  "blocks (each tool's own minibatches; the streams differ after block 0 since each feeds its own "
-                  "quantized outputs forward)."]
+    # best block loss, each repeat (seed) apart: each tool samples its own minibatches and, after block 0, feeds
+    # its own quantized outputs forward, so one seed's block-by-block comparison is largely chance
+    per_seed, ratios = [], []
+    for q, r in zip(runs["qjax"], runs["auto-round"]):
+        pairs = [(x, y) for x, y in zip(q["best"], r["best"]) if x is not None and y is not None]
+        per_seed.append((sum(1 for x, y in pairs if x <= y), len(pairs)))
+        ratios += [x / y for x, y in pairs if y > 0]
+    lower, total = sum(k for k, _ in per_seed), sum(n for _, n in per_seed)
+    gmean = float(np.exp(np.mean(np.log(ratios)))) if ratios else float("nan")
+    lines += ["", f"qjax's best block loss ≤ auto-round's in {lower} of {total} blocks over seed {seeds} ("
+                  + ", ".join(f"{k}/{n}" for k, n in per_seed) + f"); qjax/auto-round best loss: geometric mean "
+                  f"{gmean:.3f}, range {min(ratios):.3f}–{max(ratios):.3f} (each tool's own minibatches; the streams "
+                  "differ after block 0 since each feeds its own quantized outputs forward)."]
     return "\n".join(lines) + "\n"
+
+
+def _each(values: list, k: int, fmt: str) -> str:
+    """``values[r][k]`` of each repeat, formatted and joined with ' / '."""
+    return " / ".join(fmt.format(v[k]) for v in values)
 
 
 if __name__ == "__main__":
