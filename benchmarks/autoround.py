@@ -277,16 +277,14 @@ def main() -> None:
         with open(os.path.join(base, "config.json")) as f:
             a.layer_kinds = json.load(f)["layer_types"]
         runs = {"auto-round": [], "qjax": [], "qjax-warm": []}
-        first_seed = a.seed
         for rep in range(a.repeats):
             # interleaved, so background load hits both alike; qjax twice: a cold compilation cache, then warm (the
             # same seed: the same result); each repeat its own seed, so the loss comparison covers several samplings
-            a.seed = first_seed + rep
+            ra = argparse.Namespace(**dict(vars(a), seed=_seed(a, rep)))
             cache = os.path.join(tmp, f"jax-cache{rep}")
-            runs["auto-round"].append(run_auto_round(base, calib, os.path.join(tmp, f"ar{rep}"), a))
-            runs["qjax"].append(run_qjax_process(base, calib, os.path.join(tmp, f"qj{rep}"), a, cache))
-            runs["qjax-warm"].append(run_qjax_process(base, calib, os.path.join(tmp, f"qw{rep}"), a, cache))
-        a.seed = first_seed
+            runs["auto-round"].append(run_auto_round(base, calib, os.path.join(tmp, f"ar{rep}"), ra))
+            runs["qjax"].append(run_qjax_process(base, calib, os.path.join(tmp, f"qj{rep}"), ra, cache))
+            runs["qjax-warm"].append(run_qjax_process(base, calib, os.path.join(tmp, f"qw{rep}"), ra, cache))
         mse = {"auto-round": [logit_mse(base, _folder(os.path.join(tmp, f"ar{r}")), held) for r in range(a.repeats)],
                "qjax": [logit_mse(base, os.path.join(tmp, f"qj{r}"), held) for r in range(a.repeats)],
                "bf16_ppl": logit_mse(base, base, held)[1], "ids_shape": held.shape}
@@ -311,7 +309,7 @@ def report(runs: dict, mse: dict, a) -> str:
     qw_t = statistics.median(r["total"] for r in runs["qjax-warm"])
     qw0 = runs["qjax-warm"][0]
     ratio, ratio_w = qj_t / ar_t, qw_t / ar_t
-    seeds = " / ".join(str(a.seed + r) for r in range(a.repeats))
+    seeds = " / ".join(str(_seed(a, r)) for r in range(a.repeats))
     lines = [section(a.config), "",
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, {os.cpu_count()} CPU cores "
              f"(shared), {platform.python_version()}",
@@ -370,6 +368,11 @@ def report(runs: dict, mse: dict, a) -> str:
                   f"{gmean:.3f}, range {min(ratios):.3f}–{max(ratios):.3f} (each tool's own minibatches; the streams "
                   "differ after block 0 since each feeds its own quantized outputs forward)."]
     return "\n".join(lines) + "\n"
+
+
+def _seed(a, rep: int) -> int:
+    """The seed both tools tune with in repeat ``rep``."""
+    return a.seed + rep
 
 
 def _each(values: list, k: int, fmt: str) -> str:

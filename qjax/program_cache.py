@@ -93,7 +93,8 @@ def _pinned(fn: Callable, leaves) -> Callable:
     Without it jit compiles a signature's program once more for every pattern of committed and uncommitted inputs
     (an array a computation or ``device_put`` placed, against one made from host data): the same shapes and devices,
     a second compile — AutoRound's first block compiled its layer forward twice (2 s on CPU)."""
-    placed = [x.sharding for x in leaves if isinstance(x, jax.Array) and x.committed]
+    committed = [isinstance(x, jax.Array) and x.committed for x in leaves]
+    placed = [x.sharding for x, c in zip(leaves, committed) if c]
     devices = {d for s in placed for d in s.device_set}
     meshes = {s.mesh for s in placed if isinstance(s, NamedSharding)}
     if len(devices) <= 1:  # one device, or none placed (jit's default device)
@@ -102,8 +103,7 @@ def _pinned(fn: Callable, leaves) -> Callable:
         rest = NamedSharding(meshes.pop(), P())
     else:  # committed inputs on unrelated device sets: jit's own rules decide (and report)
         return jax.jit(fn)
-    return jax.jit(fn, in_shardings=tuple(
-        x.sharding if isinstance(x, jax.Array) and x.committed else rest for x in leaves))
+    return jax.jit(fn, in_shardings=tuple(x.sharding if c else rest for x, c in zip(leaves, committed)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
