@@ -215,8 +215,11 @@ def write_atomically(out_dir: str | os.PathLike, write: Callable[[str], None], *
     try:
         try:
             write(tmp)
-        except OSError as e:  # full disk, lost permission, …: say which folder, and leave nothing behind
-            raise OSError(e.errno, f"writing {out_dir} failed: {e.strerror or e}", e.filename) from None
+        except OSError as e:  # full disk, lost permission, …: say which file, and leave nothing behind
+            # named where it was going to be (the temporary folder is removed below)
+            name = f" ({e.filename.replace(tmp, out_dir)})" if isinstance(e.filename, str) else ""
+            raise OSError(e.errno, f"writing {out_dir} failed{name}: {str(e.strerror or e).replace(tmp, out_dir)}") \
+                from None
         if os.path.exists(out_dir):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
             os.rename(out_dir, os.path.join(old, "previous"))

@@ -226,7 +226,7 @@ def plan_folder(path: str, *, dtype=None, mesh=None, verify: bool = False, text_
     (:func:`qjax.checkpoint.loading.check_folder`; with ``verify`` the values too): a folder qjax cannot load is an
     error here too. The vision tower counts as loading holds it (``load_model(path, text_only=text_only)``)."""
 
-    cfg, qc, headers = (verify_folder if verify else check_folder)(path)
+    cfg, qc, headers = (verify_folder if verify else check_folder)(path, dtype=dtype)  # E8M0 bounds: per dtype
     return plan(cfg, headers, qc, dtype=dtype, mesh=mesh, vision=VisionConfig.from_file(path), text_only=text_only)
 
 

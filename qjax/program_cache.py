@@ -20,6 +20,7 @@ jitted programs): a user function closing over changing Python state would be se
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -218,7 +219,8 @@ class _Cached:
                     f.write(data)
                 os.replace(tmp, path)
             except BaseException:
-                os.unlink(tmp)
+                with contextlib.suppress(OSError):  # the write's own error is the one to report
+                    os.unlink(tmp)
                 raise
         except OSError as e:
             logger.warning("%s: could not store the traced program (%s); it is traced again next run", path, e)

@@ -15,6 +15,7 @@ precedence over the config's template), ``generation_config.json`` (its ``eos_to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -32,7 +33,7 @@ from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
-from .validation import Fields, confined, read_json, show
+from .validation import MAX_TOKEN_ID, MAX_TOKENIZER_BYTES, Fields, confined, read_json, read_regular, show
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -78,24 +79,107 @@ class TokenizerError(ValueError):
     """A tokenizer folder or chat template qjax cannot use; the message names the folder or file at fault."""
 
 
-# Bounds on one rendering of a chat template (templates come with checkpoints from the internet): the prompt it
-# writes, the elements all its range() calls produce together (jinja's sandbox caps one range at 100,000, not nested
-# loops), and its wall time. Real templates render a 256k-token conversation in well under these.
-MAX_TEMPLATE_CHARS = 16 << 20
-MAX_TEMPLATE_RANGE = 10_000_000
+# Bounds on one rendering of a chat template (templates come with checkpoints from the internet, and with requests when
+# a server trusts them): the prompt it writes and any one string or list it builds; the steps it takes (every loop
+# iteration and every call, macros included), counted as they happen, so nested loops that write nothing are stopped
+# too; the characters and items of all the strings and lists it builds together, which bounds its peak memory (a
+# string doubled in a loop, a ``center`` filter in a loop); and its wall time, checked at every step. A real template
+# renders a 256k-token conversation (~1 M characters, a few hundred messages) in a few thousand steps and builds a few
+# times its output.
+MAX_TEMPLATE_CHARS = 16 << 20  # the output, and any one string
+MAX_TEMPLATE_ITEMS = 1 << 20  # any one list, tuple or dict (8 bytes a reference at least)
+MAX_TEMPLATE_STEPS = 1_000_000  # ~2-3 s of a CPU core at jinja's speed
+MAX_TEMPLATE_BUILT = 128 << 20  # bytes, counting a character as 1 and an item as 8
 MAX_TEMPLATE_SECONDS = 10.0
 _render = threading.local()  # the budget of the rendering in progress on this thread
+# texts from this length on are tokenized by the batch call, which releases the GIL (Tokenizer.encode)
+_GIL_FREE_CHARS = 1 << 16
 
 
-def _spend(n: int) -> None:
+@dataclasses.dataclass
+class _Budget:
+    steps: int = MAX_TEMPLATE_STEPS
+    built: int = MAX_TEMPLATE_BUILT
+    deadline: float = 0.0
+
+
+def _spend(steps: int = 1, built: int = 0) -> None:
+    """Charge the rendering in progress on this thread ``steps`` steps and ``built`` characters/items; a
+    ``SecurityError`` once any bound is passed (no rendering in progress: nothing to charge)."""
     budget = getattr(_render, "budget", None)
     if budget is None:
         return
-    budget[0] -= n
-    if budget[0] < 0:
-        raise jinja2.exceptions.SecurityError(f"the template's loops exceed {MAX_TEMPLATE_RANGE:,} iterations")
-    if time.monotonic() > budget[1]:
-        raise jinja2.exceptions.SecurityError(f"rendering took longer than {MAX_TEMPLATE_SECONDS:g} s")
+    budget.steps -= steps
+    budget.built -= built
+    if budget.steps < 0:
+        raise SecurityError(f"the template takes more than {MAX_TEMPLATE_STEPS:,} steps (loop iterations and calls)")
+    if budget.built < 0:
+        raise SecurityError(f"the template builds more than {MAX_TEMPLATE_BUILT:,} bytes of strings and lists")
+    if time.monotonic() > budget.deadline:
+        raise SecurityError(f"rendering took longer than {MAX_TEMPLATE_SECONDS:g} s")
+
+
+def _built(value):
+    """Charge a value a template operation just built and refuse one larger than :data:`MAX_TEMPLATE_CHARS`
+    characters or :data:`MAX_TEMPLATE_ITEMS` items; returns it."""
+    if isinstance(value, str):
+        if len(value) > MAX_TEMPLATE_CHARS:
+            raise SecurityError(f"a string of {len(value):,} characters is too big (the limit is "
+                                f"{MAX_TEMPLATE_CHARS:,})")
+        _spend(0, len(value))
+    elif isinstance(value, (list, tuple, dict)):
+        if len(value) > MAX_TEMPLATE_ITEMS:
+            raise SecurityError(f"a {type(value).__name__} of {len(value):,} items is too big (the limit is "
+                                f"{MAX_TEMPLATE_ITEMS:,})")
+        _spend(0, 8 * len(value))
+    return value
+
+
+def _too_big_int(values) -> int | None:
+    """The first integer argument over :data:`MAX_TEMPLATE_CHARS` (a width, a count) among ``values``."""
+    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > MAX_TEMPLATE_CHARS),
+                None)
+
+
+class _Steps:
+    """A loop's iterable that charges one step per item (sized when the iterable is, so ``loop.length`` works the
+    same)."""
+
+    def __init__(self, iterable):
+        self.iterable = iterable
+
+    def __len__(self):
+        return len(self.iterable)
+
+    def __iter__(self):
+        for item in self.iterable:
+            _spend()
+            yield item
+
+
+def _concat(items: list) -> str:
+    """Jinja's ``~`` (``"".join(map(str, items))``), charged and bounded like every string a template builds."""
+    parts = [str(x) for x in items]
+    n = sum(len(x) for x in parts)
+    if n > MAX_TEMPLATE_CHARS:
+        raise SecurityError(f"a concatenation of {n:,} characters is too big")
+    _spend(1, n)
+    return "".join(parts)
+
+
+def _bounded_filter(f):
+    """A jinja filter that refuses a width or count over :data:`MAX_TEMPLATE_CHARS` (``center``, ``indent``,
+    ``wordwrap``, …) before it runs and charges what it builds (``functools.wraps`` keeps jinja's ``pass_context``
+    marks)."""
+    @functools.wraps(f)
+    def bounded(*args, **kwargs):
+        big = _too_big_int((*args, *kwargs.values()))
+        if big is not None:
+            raise SecurityError(f"filter {getattr(f, '__name__', '?')} with a size of {big:,} (over "
+                                f"{MAX_TEMPLATE_CHARS:,})")
+        _spend()
+        return _built(f(*args, **kwargs))
+    return bounded
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -150,17 +234,46 @@ def _compile_template(source: str):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     class Sandbox(ImmutableSandboxedEnvironment):
-        """transformers' sandbox, plus bounds on what one expression can build: ``'x' * 10**9``, ``9 ** 10**9``,
-        ``'%999999999s' % x`` and ``'x'.ljust(10**9)`` are refused instead of taking the memory or the time."""
+        """transformers' sandbox, plus bounds on what one expression can build (``'x' * 10**9``, ``9 ** 10**9``,
+        ``'%999999999s' % x``, ``'x'.ljust(10**9)``, a ``center(10**9)`` filter are refused before they take the
+        memory or the time) and the rendering's budget (:func:`_spend`): every call, every loop iteration and every
+        string or list built by ``~``, ``+``, ``*``, ``%``, a filter or a method is charged as it happens."""
 
-        intercepted_binops = frozenset({"*", "**", "%"})
+        intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.filters = {name: _bounded_filter(f) for name, f in self.filters.items()}
+            self.budget_steps = _Steps
+            self.budget_concat = _concat
+
+        def _parse(self, source, name, filename):
+            # loops iterate through _Steps and ``~`` joins through _concat (both reached as environment attributes,
+            # which a template cannot shadow the way it can shadow a global name)
+            tree = super()._parse(source, name, filename)
+            for node in tree.find_all(jinja2.nodes.For):
+                node.iter = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("budget_steps"), [node.iter], [],
+                                              None, None, lineno=node.lineno)
+            for node in tree.find_all(jinja2.nodes.Concat):
+                node.nodes = [jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("budget_concat"),
+                                                [jinja2.nodes.List(node.nodes, lineno=node.lineno)], [], None, None,
+                                                lineno=node.lineno)]
+            return tree
 
         def call_binop(self, context, operator, left, right):
             big = MAX_TEMPLATE_CHARS
+
+            def limit(seq) -> int:
+                return MAX_TEMPLATE_CHARS if isinstance(seq, str) else MAX_TEMPLATE_ITEMS
+
             if operator == "*":
                 for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > big:
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > limit(seq):
                         raise SecurityError(f"a repetition of {n:,} × {len(seq):,} items is too big")
+            elif operator == "+":
+                if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) and \
+                        len(left) + len(right) > limit(left):
+                    raise SecurityError(f"a concatenation of {len(left) + len(right):,} items is too big")
             elif operator == "**":
                 if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and \
                         right * math.log2(abs(left)) > 4096:
@@ -168,22 +281,22 @@ def _compile_template(source: str):
             elif isinstance(left, str):  # printf-style formatting: widths and precisions, written or passed by *
                 values = right if isinstance(right, tuple) else (right,)
                 sizes = [int(n) for n in re.findall(r"%[-+ #0]*(\d*)(?:\.(\d*))?", left) for n in n if n]
-                if any(n > big for n in sizes) or ("*" in left and any(
-                        isinstance(v, int) and v > big for v in values)):
+                if any(n > big for n in sizes) or ("*" in left and _too_big_int(values) is not None):
                     raise SecurityError("a formatted width is too big")
-            return super().call_binop(context, operator, left, right)
+            _spend()
+            return _built(super().call_binop(context, operator, left, right))
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
-            if isinstance(getattr(__obj, "__self__", None), str) and any(
-                    isinstance(v, int) and v > MAX_TEMPLATE_CHARS for v in (*args, *kwargs.values())):
+            if isinstance(getattr(__obj, "__self__", None), str) and \
+                    _too_big_int((*args, *kwargs.values())) is not None:
                 raise SecurityError(f"str.{getattr(__obj, '__name__', '?')} with a size over {MAX_TEMPLATE_CHARS:,}")
-            return super().call(__context, __obj, *args, **kwargs)
+            _spend()
+            return _built(super().call(__context, __obj, *args, **kwargs))
 
     def bounded_range(*args):
         r = range(*args)
         if len(r) > MAX_RANGE:
             raise SecurityError(f"range of {len(r):,} items (the sandbox allows {MAX_RANGE:,})")
-        _spend(len(r))
         return r
 
     class BlockedUndefined(jinja2.Undefined):
@@ -335,10 +448,13 @@ class Tokenizer:
         if not os.path.isdir(folder):
             raise TokenizerError(f"{folder}: no such folder")
         tj = confined(folder, TOKENIZER_FILE, what=folder, error=TokenizerError)
-        if not os.path.isfile(tj):
+        if not os.path.lexists(tj):
             raise TokenizerError(f"{folder}: no {TOKENIZER_FILE} (the fast-tokenizer file is needed to encode text)")
+        # a regular file of at most MAX_TOKENIZER_BYTES, read before the tokenizers library parses it (it holds
+        # several times the file while it does)
+        data = read_regular(tj, what=TOKENIZER_FILE, max_bytes=MAX_TOKENIZER_BYTES, error=TokenizerError)
         try:
-            backend = Backend.from_file(tj)
+            backend = Backend.from_buffer(data)
         except Exception as e:  # the tokenizers library raises a bare Exception on malformed files
             raise TokenizerError(f"{tj}: cannot load ({e})") from None
 
@@ -387,31 +503,41 @@ class Tokenizer:
             templates = {}
             for name, rel in files.items():
                 p = confined(folder, rel, what=folder, error=TokenizerError)
+                data = read_regular(p, what="a chat template", max_bytes=MAX_TEMPLATE_CHARS, error=TokenizerError)
                 try:
-                    with open(p, "rb") as fh:
-                        data = fh.read(MAX_TEMPLATE_CHARS + 1)
-                    if len(data) > MAX_TEMPLATE_CHARS:
-                        raise TokenizerError(f"{p}: larger than {MAX_TEMPLATE_CHARS:,} bytes; not a chat template")
                     templates[name] = data.decode("utf-8")
-                except OSError as e:
-                    raise TokenizerError(f"{p}: cannot read the chat template ({e.strerror or e})") from None
                 except UnicodeDecodeError as e:
                     raise TokenizerError(f"{p}: the chat template is not UTF-8 text (byte {e.start})") from None
         chat_template = templates.get("default") if set(templates) <= {"default"} else templates
 
         gen = _read_json(folder, GENERATION_CONFIG_FILE) or {}
         eos = Fields(gen, os.path.join(folder, GENERATION_CONFIG_FILE), TokenizerError).int_list(
-            "eos_token_id", [], min=0, scalar=True)
+            "eos_token_id", [], min=0, max=MAX_TOKEN_ID, scalar=True)
         return cls(backend, special_tokens=special, chat_template=chat_template or None, generation_eos_ids=eos,
                    source=folder)
 
     # ---- ids ↔ text -------------------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) become their ids."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) become their ids. Long texts
+        go through the library's batch call, which releases Python's GIL while it works (its single-text call holds
+        it: a server thread tokenizing megabytes would stop every other thread, the event loop included)."""
+        if len(text) < _GIL_FREE_CHARS:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if len(ids) < _GIL_FREE_CHARS // 4:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: the longest vocabulary entry (a byte-level BPE entry is one
+        character per byte, so this bounds the characters, and the bytes, of a token's text). A text of ``n``
+        characters is at least ``n / max_token_chars`` tokens: a server refuses a prompt too long for its context
+        from its length alone, before tokenizing it."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def stream_decoder(self, *, skip_special_tokens: bool = False) -> StreamDecoder:
         """A fresh incremental detokenizer (see :class:`StreamDecoder`)."""
@@ -496,10 +622,15 @@ class Tokenizer:
                                             and self.token_to_id("</think>") is not None)
         if enable_thinking is not None:
             variables["enable_thinking"] = bool(enable_thinking)
+        own = {"messages", "tools", "documents", "add_generation_prompt", "chat_template", "enable_thinking"}
+        clash = sorted(own & set(kwargs))
+        if clash:  # transformers' render would fail with a TypeError; name the argument instead
+            raise TokenizerError(f"template variable {clash[0]!r} is an argument of apply_chat_template itself; "
+                                 "pass it as that argument")
         variables.update(_plain(kwargs))
-        context = dict(messages=_normalize_messages(messages), tools=_plain(tools), documents=None,
-                       add_generation_prompt=add_generation_prompt, **variables)
-        _render.budget = [MAX_TEMPLATE_RANGE, time.monotonic() + MAX_TEMPLATE_SECONDS]
+        context = {**variables, "messages": _normalize_messages(messages), "tools": _plain(tools), "documents": None,
+                   "add_generation_prompt": add_generation_prompt}
+        _render.budget = _Budget(deadline=time.monotonic() + MAX_TEMPLATE_SECONDS)
         try:
             pieces, size = [], 0
             for piece in template.generate(**context):  # streamed, so size and time are checked as it goes

@@ -121,7 +121,7 @@ def test_cli_bench_errors(capsys, monkeypatch):
     assert cli_main(["bench", "--scale", "3"]) == 2
     assert "not divisible by width 3" in capsys.readouterr().err
     # the full-size model does not fit this host: refused before anything is allocated, with the numbers
-    monkeypatch.setattr(bench, "_host_available", lambda: 8 << 30)
+    monkeypatch.setattr(bench, "host_available", lambda: 8 << 30)
     assert cli_main(["bench", "--recipe", "bf16"]) == 2
     err = capsys.readouterr().err
     assert "recipe 'bf16': the weights need 64.6 GiB per device, available host memory is 8.0 GiB" in err

@@ -7,9 +7,12 @@ limit is one clear 400 naming the request part; --limit-mm-per-prompt and --allo
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 import os
 import re
+import threading
+import time
 import types
 
 import numpy as np
@@ -192,8 +195,9 @@ def test_file_urls_only_under_the_allowed_folder(tmp_path):
     os.symlink(outside / "b.png", inside / "link.png")
     where = "messages[0].content[1].image_url"
 
-    def decode(url, allowed):
-        return _decode_images(types.SimpleNamespace(media_path=allowed), [ImagePart(where, url)])
+    def decode(url, allowed, max_bytes=20 << 20, max_pixels=1 << 26):
+        state = types.SimpleNamespace(media_path=allowed, max_image_bytes=max_bytes, max_image_pixels=max_pixels)
+        return _decode_images(state, [ImagePart(where, url)])
 
     [im] = decode(f"file://{inside}/a.png", str(inside))
     assert np.array_equal(np.asarray(im), np.asarray(IMAGES[1]))
@@ -209,6 +213,15 @@ def test_file_urls_only_under_the_allowed_folder(tmp_path):
         with pytest.raises(ApiError, match=text) as e:
             decode(url, allowed)
         assert e.value.status == 400 and e.value.message.startswith(where + ": "), e.value.message
+    # --max-image-pixels (on the header, before decoding) and --max-image-bytes, for files and data: URIs alike
+    size = (inside / "a.png").stat().st_size
+    data = "data:image/png;base64," + base64.b64encode((inside / "a.png").read_bytes()).decode()
+    for url in (f"file://{inside}/a.png", data):
+        with pytest.raises(ApiError, match="30x30 pixels .* over the limit of 899 pixels"):
+            decode(url, str(inside), max_pixels=899)
+        with pytest.raises(ApiError, match="over the limit of 100"):
+            decode(url, str(inside), max_bytes=100)
+    assert size > 100
 
 
 def test_limit_mm_per_prompt_and_media_path_flags(tmp_path, capsys):
@@ -366,3 +379,49 @@ def test_image_limit_zero_skips_the_tower(vl_dir, monkeypatch, capsys):
         assert e.value.status == 400 and e.value.message == (
             "messages[0].content[1].image_url: image input is disabled on this server (--limit-mm-per-prompt "
             "image 0: the vision tower is not loaded)")
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_large_image_uploads_take_memory_one_request_at_a_time_and_give_it_back(server):
+    """Twelve concurrent uploads of a 160 KB PNG that decodes to 7,000 × 7,000 pixels (147 MB of RGB each; such
+    uploads took a server to 6.7 GB): each is decoded, resized to the processor's max_pixels and answered; the server
+    never holds more than one request's decoded images (the vision lock covers decoding), and afterwards its
+    resident size is back within 200 MiB of where it was."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (7000, 7000), (200, 30, 60)).save(buf, "PNG", optimize=True)
+    big = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    pid = server.proc.pid
+
+    def rss() -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+    small = chat_body(data_uri(IMAGES[1]), max_tokens=2)
+    assert requests.post(server.url + "/v1/chat/completions", json=small, timeout=120).status_code == 200
+    time.sleep(2.5)
+    before, peak = rss(), [0]
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(lambda _: requests.post(server.url + "/v1/chat/completions", json=chat_body(
+            big, max_tokens=2), timeout=300), range(12)))
+    stop.set()
+    watcher.join()
+    assert all(r.status_code == 200 for r in got), [r.text[:200] for r in got]
+    time.sleep(2.5)  # the memory release runs at most every 2 s
+    assert requests.post(server.url + "/v1/chat/completions", json=small, timeout=120).status_code == 200
+    after = rss()
+    # one request's image at a time: decoded and transposed (2 × 147 MB) and its float32 patches at the processor's
+    # 16 M-pixel max (400 MB) — ~1.2 GB over the baseline measured; twelve at once would be over 10 GB
+    assert peak[0] - before < 2 << 30, (before >> 20, peak[0] >> 20)
+    assert after - before < 200 << 20, (before >> 20, peak[0] >> 20, after >> 20)

@@ -83,9 +83,14 @@ def test_reasoning_split(text, thinking, want):
 
 
 def test_prompt_shapes_and_refusals(tok):
-    enc = tok.encode
+    where = []
+
+    def enc(text, at=None):
+        where.append(at)
+        return tok.encode(text)
     assert completion_prompts(CompletionRequest(prompt="Hi there"), enc) == [enc("Hi there")]
     assert completion_prompts(CompletionRequest(prompt=["a", "b"]), enc) == [enc("a"), enc("b")]
+    assert where[:4] == ["prompt", None, "prompt[0]", "prompt[1]"]  # each text is tokenized knowing its part
     assert completion_prompts(CompletionRequest(prompt=[1, 2, 3]), enc) == [[1, 2, 3]]
     assert completion_prompts(CompletionRequest(prompt=[[1], [2, 3]]), enc) == [[1], [2, 3]]
     for bad in ("", [], [[1], []]):

@@ -22,26 +22,29 @@ import random
 import numpy as np
 from tokenizers import Tokenizer
 
-from qjax.validation import parse_json
+from qjax.validation import MAX_TOKENIZER_BYTES, confined, parse_json, read_regular
 
 logger = logging.getLogger("qjax.autoround")
+
+# A calibration file is read whole: auto-round's default (pile-10k: 10,000 documents, ~50 MB of JSONL) with room to
+# spare; 512 samples of 2,048 tokens need a few MB of text.
+MAX_DATASET_BYTES = 256 << 20
 
 
 class CalibrationError(ValueError):
     pass
 
 
-def read_documents(path: str | os.PathLike) -> list[str | list[int]]:
-    """Documents of ``path``: strings, or token-id lists from ``input_ids`` fields."""
+def read_documents(path: str | os.PathLike, *, vocab_size: int | None = None) -> list[str | list[int]]:
+    """Documents of ``path``: strings, or token-id lists from ``input_ids`` fields (each id below ``vocab_size``,
+    when given: an id outside it is an error naming the line or record)."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise CalibrationError(f"--dataset {path}: no such file (qjax reads calibration text from a local "
                                ".txt, .jsonl or .json file)")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise CalibrationError(f"--dataset {path}: cannot read ({e.strerror or e})") from None
+    # a regular file (a FIFO would block the read) of at most MAX_DATASET_BYTES, read whole
+    raw = read_regular(path, what="a calibration data file", max_bytes=MAX_DATASET_BYTES, error=CalibrationError,
+                       where="--dataset")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -51,12 +54,13 @@ def read_documents(path: str | os.PathLike) -> list[str | list[int]]:
         docs = []
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
-                docs.append(_doc(parse_json(line.encode(), f"{path}:{n}", error=CalibrationError), f"{path}:{n}"))
+                docs.append(_doc(parse_json(line.encode(), f"{path}:{n}", error=CalibrationError), f"{path}:{n}",
+                                 vocab_size))
     elif ext == ".json":
         data = parse_json(raw, path, error=CalibrationError)
         if not isinstance(data, list):
             raise CalibrationError(f"{path}: expected a JSON list of strings or objects")
-        docs = [_doc(d, f"{path}[{i}]") for i, d in enumerate(data)]
+        docs = [_doc(d, f"{path}[{i}]", vocab_size) for i, d in enumerate(data)]
     else:
         docs = [d.strip() for d in text.split("\n\n") if d.strip()]
     docs = [d for d in docs if len(d)]
@@ -65,16 +69,21 @@ def read_documents(path: str | os.PathLike) -> list[str | list[int]]:
     return docs
 
 
-def _doc(obj, where: str) -> str | list[int]:
+def _doc(obj, where: str, vocab_size: int | None = None) -> str | list[int]:
+    """One document; ``where``: ``file:line`` (.jsonl) or ``file[record]`` (.json)."""
     if isinstance(obj, str):
         return obj
     if isinstance(obj, dict) and "input_ids" in obj:
         ids = obj["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise CalibrationError(f"{where}: input_ids must be a list of integers")
-        bad = [i for i in ids if not 0 <= i < 2**31]
-        if bad:
-            raise CalibrationError(f"{where}: input_ids holds {bad[0]}, not a token id")
+        bad = next((j for j, i in enumerate(ids) if not 0 <= i < 2**31), None)
+        if bad is not None:
+            raise CalibrationError(f"{where}: input_ids holds {ids[bad]} (position {bad}), not a token id")
+        bad = next((j for j, i in enumerate(ids) if vocab_size is not None and i >= vocab_size), None)
+        if bad is not None:
+            raise CalibrationError(f"{where}: input_ids holds token id {ids[bad]} (position {bad}), outside the "
+                                   f"model's vocabulary ({vocab_size} tokens)")
         return ids
     if isinstance(obj, dict) and isinstance(obj.get("text"), str):
         return obj["text"]
@@ -83,11 +92,16 @@ def _doc(obj, where: str) -> str | list[int]:
 
 def load_tokenizer(model_dir: str | os.PathLike):
     """The ``tokenizers`` tokenizer of a model folder (its tokenizer.json)."""
-    path = os.path.join(os.fspath(model_dir), "tokenizer.json")
-    if not os.path.isfile(path):
+    path = confined(os.fspath(model_dir), "tokenizer.json", what=os.fspath(model_dir), error=CalibrationError)
+    if not os.path.lexists(path):
         raise CalibrationError(f"{model_dir}: no tokenizer.json, so text calibration data cannot be tokenized; "
                                "add the tokenizer files or pass a .jsonl whose lines hold 'input_ids'")
-    return Tokenizer.from_file(path)
+    # bounded and regular before the tokenizers library parses it (as qjax.tokenizer reads it)
+    data = read_regular(path, what="tokenizer.json", max_bytes=MAX_TOKENIZER_BYTES, error=CalibrationError)
+    try:
+        return Tokenizer.from_buffer(data)
+    except Exception as e:  # the tokenizers library raises a bare Exception on malformed files
+        raise CalibrationError(f"{path}: cannot load ({e})") from None
 
 
 def calibration_ids(path, tokenizer, *, nsamples: int, seqlen: int, seed: int = 42,
@@ -95,7 +109,7 @@ def calibration_ids(path, tokenizer, *, nsamples: int, seqlen: int, seed: int = 
     """``[n, seqlen]`` int32 calibration samples, ``n = min(nsamples, what the file holds)``."""
     if nsamples < 1 or seqlen < 2:
         raise CalibrationError(f"nsamples ({nsamples}) must be ≥ 1 and seqlen ({seqlen}) ≥ 2")
-    docs = read_documents(path)
+    docs = read_documents(path, vocab_size=vocab_size)
     random.Random(seed).shuffle(docs)
     need_tok = any(isinstance(d, str) for d in docs)
     if need_tok and tokenizer is None:
@@ -121,8 +135,9 @@ def calibration_ids(path, tokenizer, *, nsamples: int, seqlen: int, seed: int = 
         out = np.asarray(stream[: n * seqlen], np.int32).reshape(n, seqlen)
     if len(out) < nsamples:
         logger.warning("%s: only %d calibration samples of %d tokens (asked for %d)", path, len(out), seqlen, nsamples)
-    if vocab_size is not None and out.size and (out.max() >= vocab_size or out.min() < 0):
-        raise CalibrationError(f"{path}: token id {int(out.max())} is outside the model's vocabulary ({vocab_size})")
+    if vocab_size is not None and out.size and (out.max() >= vocab_size or out.min() < 0):  # the tokenizer's ids
+        raise CalibrationError(f"{path}: the tokenizer gives token id {int(out.max())}, outside the model's "
+                               f"vocabulary ({vocab_size} tokens)")
     return out
 
 

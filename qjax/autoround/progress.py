@@ -2,9 +2,10 @@
 a killed run restarts from the last finished block with ``--resume``.
 
 The folder holds ``state.json`` (the run's fingerprint — model, data and every option — and the number of finished
-blocks) and one ``block_NNNN.npz`` per block, each written to a temporary name and renamed, so a kill mid-write
-leaves the previous state intact. On resume the two streams are recomputed through the finished blocks (forward
-passes only) instead of being stored: they are the largest thing a run holds.
+blocks) and one ``block_NNNN.npz`` per block, each written to a temporary name and renamed
+(:func:`qjax.validation.replacing`), so a kill mid-write leaves the previous state intact and a failed write (a full
+disk) leaves no partial file and names the file. On resume the two streams are recomputed through the finished
+blocks (forward passes only) instead of being stored: they are the largest thing a run holds.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import zipfile
 import ml_dtypes
 import numpy as np
 
-from qjax.validation import read_json
+from qjax.validation import read_json, replacing
 
 from .results import BlockReport, UnitResult
 from .schemes import Scheme
@@ -51,10 +52,8 @@ def _write_state(folder: str, fingerprint: dict, blocks: list[str]) -> None:
     """state.json: the fingerprint, each finished block file's SHA-256, and a checksum over both (so an edited or
     damaged progress folder is refused by name instead of resuming into a different result)."""
     body = {"fingerprint": fingerprint, "done": len(blocks), "blocks": blocks}
-    tmp = os.path.join(folder, STATE + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replacing(os.path.join(folder, STATE), "w") as f:
         json.dump({**body, "checksum": state_checksum(body)}, f, indent=2, sort_keys=True)
-    os.replace(tmp, os.path.join(folder, STATE))
 
 
 def _read_state(folder: str) -> dict:
@@ -71,7 +70,8 @@ def _read_state(folder: str) -> dict:
 def start(ar) -> None:
     os.makedirs(ar.progress_dir, exist_ok=True)
     for name in os.listdir(ar.progress_dir):
-        if name.startswith("block_") or name == STATE:
+        # the files of an earlier run, and the temporary files of one killed mid-write (replacing's ".NAME.*.tmp")
+        if name.startswith(("block_", ".block_", f".{STATE}.")) or name == STATE:
             os.remove(os.path.join(ar.progress_dir, name))
     _write_state(ar.progress_dir, ar.fingerprint, [])
 
@@ -92,9 +92,9 @@ def save_block(ar, i: int) -> None:
         arrays["kv/k_scale"], arrays["kv/v_scale"] = ar.kv_scales[i]
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     path = _block_path(ar.progress_dir, i)
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    # a full disk mid-write leaves no partial file behind, and the error names the block file
+    with replacing(path) as f:
+        np.savez(f, **arrays)
     blocks = _read_state(ar.progress_dir)["blocks"][:i] if i else []
     _write_state(ar.progress_dir, ar.fingerprint, [*blocks, _sha256(path)])
 

@@ -40,7 +40,7 @@ from qjax.model.config import read_config
 from qjax.quant.config import QuantConfigError, QuantizationConfig
 from qjax.quant.packing import pack_int32, pack_words, unpack_int32, unpack_words
 from qjax.quant.schemes import ArScheme, int_scheme
-from qjax.validation import Fields
+from qjax.validation import Fields, compile_pattern
 
 __all__ = [
     "AUTOROUND_METHOD",
@@ -224,17 +224,18 @@ def standard_regex(pattern: str) -> str:
     return regex
 
 
-def _regex_keys(extra: Mapping[str, dict], names: set[str]) -> list[str]:
-    """extra_config keys that are patterns (auto-round: every key that is not a layer name and compiles)."""
+def _regex_keys(extra: Mapping[str, dict], names: set[str], source: str) -> list[tuple[str, object]]:
+    """(key, its RE2 program) for the extra_config keys that are patterns (auto-round: every key that is not a layer
+    name and compiles as a Python regex); matched in linear time (qjax.validation.compile_pattern), so a hostile key
+    such as ``(a+)+$`` cannot hang the loader."""
     keys = []
     for key in extra:
         if key in names:
             continue
-        try:
-            re.compile(key)
-        except re.error:
-            continue
-        keys.append(key)
+        rx = compile_pattern(key, where=f"{source}: quantization_config.extra_config", error=AutoRoundError,
+                             invalid_ok=True)
+        if rx is not None:
+            keys.append((key, rx))
     return keys
 
 
@@ -249,7 +250,7 @@ def resolve_schemes(quantization_config: Mapping, names: list[str], *, source: s
     extra = quantization_config.get("extra_config") or {}
     if not isinstance(extra, Mapping):
         raise AutoRoundError(f"{source}: quantization_config.extra_config must be an object")
-    patterns = [(k, re.compile(k)) for k in _regex_keys(extra, set(names))]
+    patterns = _regex_keys(extra, set(names), source)
     out: dict[str, ArScheme | None] = {}
     for name in names:
         entry = extra.get(name)
@@ -379,6 +380,6 @@ def open_autoround(folder: str | os.PathLike, ckpt) -> tuple[QuantizationConfig,
         return None
     try:
         view = AutoRoundCheckpoint(ckpt, qcfg, path)
-    except (AutoRoundError, re.error) as e:
+    except AutoRoundError as e:
         raise QuantConfigError(str(e)) from e
     return view.quantization_config, view

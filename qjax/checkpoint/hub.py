@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 
+from qjax.validation import read_regular
+
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 # qjax/assets: package data (the built-in model's folder, the full-size configs)
@@ -48,8 +50,9 @@ def resolve(name: str, *, what: str = "model") -> str:
     snaps = os.path.join(repo, "snapshots")
     ref = os.path.join(repo, "refs", "main")
     if os.path.isfile(ref):
-        with open(ref, encoding="utf-8") as f:
-            rev = f.read().strip()
+        # a regular file of a commit hash (never a FIFO that would block the read)
+        rev = read_regular(ref, what="a Hugging Face cache ref", max_bytes=1024, error=ModelNotFound).decode(
+            "utf-8", "replace").strip()
         if re.fullmatch(r"[0-9a-fA-F]{6,64}", rev) and os.path.isdir(os.path.join(snaps, rev)):
             return os.path.join(snaps, rev)
     found = sorted(os.listdir(snaps)) if os.path.isdir(snaps) else []

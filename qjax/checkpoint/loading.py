@@ -41,6 +41,7 @@ from qjax.checkpoint.layout import (
     text_prefix,
 )
 from qjax.checkpoint.quant_plan import plan_quantization
+from qjax.checkpoint.safetensors_io import list_checkpoint_files
 from qjax.checkpoint.view import Checkpoint, CheckpointView
 from qjax.kernels import dequantize
 from qjax.model.config import GenerationConfig, TextConfig, VisionConfig
@@ -48,14 +49,15 @@ from qjax.multimodal.images import ImageProcessorConfig
 from qjax.model.dtypes import model_dtype
 from qjax.model.quant_spec import ModelQuant
 from qjax.model.qwen3_5_moe import Qwen3_5MoeForCausalLM, abstract_model
-from qjax.model.sharding import plan_mesh, set_plan, state_shardings
+from qjax.model.memory import available
+from qjax.model.sharding import per_device_bytes, plan_mesh, set_plan, state_shardings
 from qjax.model.variables import variable_shapes
 from qjax.quant.config import QuantizationConfig
-from qjax.quant.packing import unpack_zero_point
+from qjax.quant.packing import e8m0_max_byte, unpack_zero_point
 
 __all__ = ["FLOAT", "TEXT_PREFIXES", "VISUAL_PREFIX", "Checkpoint", "LoadError", "Target", "check_folder",
-           "checkpoint_dtype", "load_from_view", "load_model", "module_weight", "verify_folder", "verify_values",
-           "with_fp8_kv_cache"]
+           "check_memory", "checkpoint_dtype", "load_from_view", "load_model", "module_weight", "verify_folder",
+           "verify_values", "with_fp8_kv_cache"]
 
 logger = logging.getLogger("qjax")
 
@@ -144,7 +146,8 @@ def load_model(path: str | os.PathLike, *, dtype=None, progress: bool | None = N
     if mesh is not None:
 
         plan = plan_mesh(mesh, cfg)
-    generation_config = GenerationConfig.from_folder(path)  # checked before minutes of loading, not after
+    # checked before minutes of loading, not after; its token ids against this model's vocabulary
+    generation_config = GenerationConfig.from_folder(path, vocab_size=cfg.vocab_size)
     ckpt = Checkpoint(path)
     try:
         qc, view = quantization_view(path, ckpt)
@@ -169,34 +172,37 @@ def quantization_view(path: str, ckpt: Checkpoint):
     return QuantizationConfig.from_config_json(path), ckpt
 
 
-def check_folder(path: str | os.PathLike) -> tuple[TextConfig, QuantizationConfig | None,
-                                                  dict[str, tuple[tuple[int, ...], str]]]:
+def check_folder(path: str | os.PathLike, *, dtype=None) -> tuple[TextConfig, QuantizationConfig | None,
+                                                               dict[str, tuple[tuple[int, ...], str]]]:
     """Every check :func:`load_model` makes before it reads tensor data — config.json and generation_config.json
     fields, files confined to the folder, strict safetensors headers, no tensor stored twice, the quantization
     config, every tensor's name, shape and dtype against the model — without reading the data (so not the values
     :func:`verify_values` checks). Returns (config, quantization config, headers as the loader sees them: key →
     (shape, safetensors dtype)); raises what load_model raises."""
-    return _check_folder(path, values=False)
+    return _check_folder(path, values=False, dtype=dtype)
 
 
-def verify_folder(path: str | os.PathLike) -> tuple[TextConfig, QuantizationConfig | None,
-                                                   dict[str, tuple[tuple[int, ...], str]]]:
-    """:func:`check_folder`, and the values of every tensor the model reads (:func:`verify_values`)."""
-    return _check_folder(path, values=True)
+def verify_folder(path: str | os.PathLike, *, dtype=None) -> tuple[TextConfig, QuantizationConfig | None,
+                                                                dict[str, tuple[tuple[int, ...], str]]]:
+    """:func:`check_folder`, and the values of every tensor the model reads (:func:`verify_values`, for a model in
+    ``dtype``: default the checkpoint's, as :func:`load_model` picks it)."""
+    return _check_folder(path, values=True, dtype=dtype)
 
 
-def _check_folder(path, *, values: bool):
+def _check_folder(path, *, values: bool, dtype=None):
     path = os.fspath(path)
     cfg = TextConfig.from_file(path)
     vision = VisionConfig.from_file(path)
-    GenerationConfig.from_folder(path)
+    GenerationConfig.from_folder(path, vocab_size=cfg.vocab_size)
     ckpt = Checkpoint(path)
     try:
         qc, view = quantization_view(path, ckpt)
-        _, _, targets, _, view = _structure(cfg, qc, view, None, vision)
+        model, _, targets, _, view = _structure(cfg, qc, view, None, vision)
+        # the dtype the values must suit (E8M0 scales): the one asked for, else the one load_model would pick
+        dtype = model.dtype if dtype is None else model_dtype(dtype, "dtype", switch_x64=False)
         for key in _ordered(view, targets):
             if values:
-                verify_values(view, key, view.get(key))
+                verify_values(view, key, view.get(key), dtype=dtype)
             elif targets[key].transform == "weight_shape":  # two integers: as cheap as a header
                 _transform(view, key, targets[key], view.get(key))
         return cfg, qc, {k: (tuple(view.shape(k)), view.dtype(k)) for k in view.keys()}
@@ -251,6 +257,7 @@ def load_from_view(cfg: TextConfig, qc, ckpt: CheckpointView, dtype, *, progress
     if skipped:
         logger.warning("%s: skipping %d vision tensors (model.visual.*): %s", ckpt.folder, len(skipped),
                        "loaded text-only" if vision is not None else "config.json has no vision_config")
+    check_memory(ckpt.folder, model, leaves, plan)
 
     shardings = None
     if plan is not None:
@@ -262,7 +269,7 @@ def load_from_view(cfg: TextConfig, qc, ckpt: CheckpointView, dtype, *, progress
         t = targets[key]
         arr = ckpt.get(key)  # once: a converting view (auto-round) hands each tensor out once
         if verify:
-            verify_values(ckpt, key, arr)
+            verify_values(ckpt, key, arr, dtype=model.dtype)
         arr = _transform(ckpt, key, t, arr)
         if t.path is not None:
             placer.put(t, _host_cast(arr, leaves[t.path].dtype))
@@ -273,6 +280,30 @@ def load_from_view(cfg: TextConfig, qc, ckpt: CheckpointView, dtype, *, progress
         value = placer.array(tuple(p))
         v.set_value(value) if hasattr(v, "set_value") else setattr(v, "value", value)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def check_memory(folder: str, model, leaves: dict, plan=None) -> None:
+    """Refuse, before a byte of tensor data is read, a load whose variables (what it materialises: the model's
+    weights, sizes from the headers through the config) do not fit what the device can still allocate
+    (:func:`qjax.model.memory.available`): a few-megabyte sparse file can declare terabytes of tensors. Per device
+    on a mesh; CPU devices share the host's memory, so on CPU every device's part counts against it. The host
+    staging buffer (:data:`HOST_STAGING_BYTES`) comes on top, and is not counted."""
+    if plan is None:
+        devices = [jax.local_devices()[0]]
+        need = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in leaves.values())
+    else:
+        devices = list(plan.mesh.devices.flat)
+        need = per_device_bytes(model, plan)[0]
+    device = devices[0]
+    if device.platform == "cpu":
+        need *= len(devices)
+    have, what = available(device)
+    if have is not None and need > have:
+        per = f" per device ({len(devices)} devices)" if len(devices) > 1 and device.platform != "cpu" else ""
+        raise LoadError(f"{folder}: loading needs {need / 2**30:,.2f} GiB ({need:,} bytes){per} for the weights "
+                        f"its config.json and headers declare, but the {what} is {have / 2**30:,.2f} GiB "
+                        f"({have:,} bytes); refused before reading (check the folder, or load it with a mesh or on a "
+                        "larger device)")
 
 
 class _Placer:
@@ -373,9 +404,10 @@ def _progress(keys: Iterator[str], ckpt: Checkpoint, targets: dict, progress: bo
 
 
 def _folder_bytes(folder) -> int:
+    """Bytes of the files the loader reads (the one listing, :func:`list_checkpoint_files`)."""
     try:
-        return sum(e.stat().st_size for e in os.scandir(folder) if e.name.endswith(".safetensors"))
-    except (OSError, TypeError):  # in-memory checkpoints have no folder
+        return sum(os.path.getsize(os.path.join(folder, n)) for n in list_checkpoint_files(folder))
+    except (OSError, TypeError, ValueError):  # in-memory checkpoints have no folder
         return 0
 
 
@@ -407,28 +439,39 @@ _NON_FINITE = {"F64": (np.uint64, 0x7FF0000000000000, 0x7FF0000000000000),
 _CHUNK = 1 << 18  # elements per piece of verify_values' pass
 
 
-def verify_values(ckpt: Checkpoint, key: str, arr: np.ndarray) -> None:
+def verify_values(ckpt: Checkpoint, key: str, arr: np.ndarray, *, dtype=None) -> None:
     """Refuse a tensor whose values no producer writes and that would turn the model's output into NaN or garbage
     without an error: a NaN or infinity in a float tensor, the NaN code of a float8 weight, a NaN (0xFF) E8M0 scale
-    byte, a zero weight scale, or a K / V scale that is not positive. ``arr``: the tensor ``key`` as read from ``ckpt``
-    (which names its file); one pass over it (bit tests, no float copy)."""
+    byte or one whose scale overflows the weights it dequantizes for a model in ``dtype``
+    (:func:`qjax.quant.packing.e8m0_max_byte`; None: bfloat16), a zero weight scale, or a K / V scale that is not
+    positive. ``arr``: the tensor ``key`` as read from ``ckpt`` (which names its file); one pass over it (bit tests,
+    no float copy)."""
     arr = np.asarray(arr)
-    dtype = ckpt.dtype(key)
+    stored = ckpt.dtype(key)
     where = f"{ckpt.folder}: {key} [{ckpt.file_of(key)}]"
-    if dtype in _NON_FINITE:
-        bits, mask, value = _NON_FINITE[dtype]
+    if stored in _NON_FINITE:
+        bits, mask, value = _NON_FINITE[stored]
         flat = arr.reshape(-1).view(bits)
         # in cache-sized pieces: one pass over the bytes, no tensor-sized temporaries
         if any(((flat[i:i + _CHUNK] & bits(mask)) == bits(value)).any() for i in range(0, flat.size, _CHUNK)):
             bad = (arr.view(bits) & bits(mask)) == bits(value)
-            what = "NaN codes" if dtype == "F8_E4M3" else "NaN or infinite values"
+            what = "NaN codes" if stored == "F8_E4M3" else "NaN or infinite values"
             raise LoadError(f"{where}: {int(bad.sum())} {what} (first at index {_first(bad)}); the file is damaged")
-    if key.endswith(".weight_scale") and dtype == "U8":  # E8M0 exponents
-        bad = arr == 0xFF
+    if key.endswith(".weight_scale") and stored in ("U8", "F8_E8M0"):  # E8M0 exponents
+        e = arr.view(np.uint8)
+        bad = e == 0xFF
         if bad.any():
             raise LoadError(f"{where}: {int(bad.sum())} E8M0 scale bytes are 0xFF (NaN) (first at index "
                             f"{_first(bad)}); the file is damaged")
-    elif key.endswith(".weight_scale") and dtype in FLOAT:
+        top = e8m0_max_byte(dtype)
+        bad = e > top
+        if bad.any():
+            i = _first(bad)
+            raise LoadError(f"{where}: {int(bad.sum())} E8M0 scale bytes are over 0x{top:02X} (first at index {i}: "
+                            f"0x{int(e[i]):02X}): 448·2^(e−127) overflows "
+                            f"{np.dtype(jnp.bfloat16 if dtype is None else dtype).name} "
+                            "and the weights dequantize to infinities; the file is damaged")
+    elif key.endswith(".weight_scale") and stored in FLOAT:
         # auto-round's symmetric INT scales are signed (the sign follows the group's larger side); no producer
         # writes a zero scale (compressed-tensors and auto-round floor the magnitude): a zero zeroes its group
         bad = np.asarray(arr, np.float32) == 0

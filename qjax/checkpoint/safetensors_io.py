@@ -26,13 +26,14 @@ from typing import Any, NoReturn
 import ml_dtypes
 import numpy as np
 
-from qjax.validation import confined, parse_json, read_json
+from qjax.validation import confined, open_regular, parse_json, read_json, replacing
 
 __all__ = [
     "SafetensorsError",
     "SafetensorsFile",
     "read_index",
     "list_checkpoint_files",
+    "checkpoint_index",
     "write_safetensors",
     "INDEX_FILE_NAME",
 ]
@@ -105,7 +106,8 @@ class SafetensorsFile:
         # name -> (safetensors dtype, numpy dtype, shape, begin, end); begin/end are absolute file offsets.
         self._entries: dict[str, tuple[str, np.dtype, tuple[int, ...], int, int]] = {}
         try:
-            with open(self.path, "rb") as f:
+            # a regular file only (a FIFO would block open() forever), opened non-blocking (validation.py)
+            with open_regular(self.path, what="a safetensors file", error=SafetensorsError) as f:
                 file_size = os.fstat(f.fileno()).st_size
                 if file_size < 8:
                     self._fail(f"file is {file_size} bytes, shorter than the 8-byte header length prefix")
@@ -303,26 +305,78 @@ def read_index(folder: str | os.PathLike) -> dict[str, str]:
 
 
 def list_checkpoint_files(folder: str | os.PathLike) -> list[str]:
-    """Safetensors file names (relative to ``folder``) making up the checkpoint, each checked to lie inside it.
+    """Safetensors file names (relative to ``folder``) making up the checkpoint, each checked to lie inside it — the
+    one listing every reader of a folder goes through (the loader, ``qjax inspect``, compare's reference, the
+    auto-round reader, exports copying a source's tensors).
 
-    The index's shards if an index exists, else ``model.safetensors`` if present, else every ``*.safetensors``.
+    transformers' rule (5.24, ``modeling_utils._get_resolved_checkpoint_files``): ``model.safetensors`` when
+    present, else the shards of ``model.safetensors.index.json``, else every ``*.safetensors``. A folder with both
+    the single file and an index is one where transformers reads the single file and vLLM the index's shards, so
+    the two must hold the same tensors (names, dtypes and shapes, from the headers); when they do not, the folder is
+    refused naming both files rather than loading what one tool would and another would not.
     """
     folder = os.fspath(folder)
+    if os.path.lexists(os.path.join(folder, SINGLE_FILE_NAME)):
+        confined(folder, SINGLE_FILE_NAME, what=folder, error=SafetensorsError)
+        if os.path.lexists(os.path.join(folder, INDEX_FILE_NAME)):
+            _check_single_matches_index(folder)
+        return [SINGLE_FILE_NAME]
     if os.path.lexists(os.path.join(folder, INDEX_FILE_NAME)):
         return sorted(set(read_index(folder).values()))
-    if os.path.lexists(os.path.join(folder, SINGLE_FILE_NAME)):
-        names = [SINGLE_FILE_NAME]
-    else:
-        try:
-            names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
-        except OSError as e:
-            raise SafetensorsError(f"{folder}: cannot list checkpoint folder: {e.strerror or e}") from None
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    except OSError as e:
+        raise SafetensorsError(f"{folder}: cannot list checkpoint folder: {e.strerror or e}") from None
     for n in names:
         confined(folder, n, what=folder, error=SafetensorsError)
     names = [n for n in names if os.path.isfile(os.path.join(folder, n))]
     if not names:
         raise SafetensorsError(f"{folder}: no *.safetensors files (and no {INDEX_FILE_NAME}) in checkpoint folder")
     return names
+
+
+def checkpoint_index(folder: str | os.PathLike) -> dict[str, str] | None:
+    """The weight map the checkpoint's files follow (:func:`read_index`), or None when :func:`list_checkpoint_files`
+    reads no index (``model.safetensors`` wins over one, as in transformers)."""
+    folder = os.fspath(folder)
+    if os.path.lexists(os.path.join(folder, SINGLE_FILE_NAME)) or \
+            not os.path.lexists(os.path.join(folder, INDEX_FILE_NAME)):
+        return None
+    return read_index(folder)
+
+
+def _check_single_matches_index(folder: str) -> None:
+    """``model.safetensors`` and the shards of ``model.safetensors.index.json`` hold the same tensors, with the same
+    dtypes and shapes (headers only: no tensor data is read)."""
+    shards = sorted(set(read_index(folder).values()))
+    opened: list[SafetensorsFile] = []
+    try:
+        single = SafetensorsFile(os.path.join(folder, SINGLE_FILE_NAME))
+        opened.append(single)
+        theirs: dict[str, tuple[str, tuple[int, ...], str]] = {}
+        for name in shards:
+            f = SafetensorsFile(os.path.join(folder, name))
+            opened.append(f)
+            theirs.update({k: (f.dtype(k), f.shape(k), name) for k in f.keys()})
+        mine = {k: (single.dtype(k), single.shape(k)) for k in single.keys()}
+    finally:
+        for f in opened:
+            f.close()
+    diff = None
+    for k in sorted(set(mine) | set(theirs)):
+        if k not in theirs:
+            diff = f"{k!r} is in {SINGLE_FILE_NAME} only"
+        elif k not in mine:
+            diff = f"{k!r} is in the index's {theirs[k][2]} only"
+        elif mine[k] != theirs[k][:2]:
+            diff = (f"{k!r} is {mine[k][0]} {list(mine[k][1])} in {SINGLE_FILE_NAME} but {theirs[k][0]} "
+                    f"{list(theirs[k][1])} in {theirs[k][2]}")
+        if diff:
+            break
+    if diff:
+        raise SafetensorsError(f"{folder}: both {SINGLE_FILE_NAME} and {INDEX_FILE_NAME} are present and hold "
+                               f"different tensors ({diff}); transformers loads {SINGLE_FILE_NAME}, vLLM the index's "
+                               "shards: remove the one that is not this checkpoint")
 
 
 # ---- writer --------------------------------------------------------------------------------------------------------
@@ -377,20 +431,14 @@ def write_safetensors(
     # Like the reference writer: pad with spaces so the data buffer starts 8-byte aligned.
     header_bytes += b" " * (-len(header_bytes) % 8)
 
-    tmp_path = path + ".tmp"
-    try:
-        with open(tmp_path, "wb") as f:
-            f.write(struct.pack("<Q", len(header_bytes)))
-            f.write(header_bytes)
-            for _, arr, _ in arrays:
-                if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
-                    arr = arr.astype(arr.dtype.newbyteorder("<"))
-                # A flat uint8 view of a C-contiguous array is free; ml_dtypes types don't export a buffer format
-                # that file.write understands, uint8 does.
-                f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
-        raise
+    # through a temporary file renamed into place; a failure (a full disk) removes it and names `path`
+    with replacing(path) as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for _, arr, _ in arrays:
+            if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
+                arr = arr.astype(arr.dtype.newbyteorder("<"))
+            # A flat uint8 view of a C-contiguous array is free; ml_dtypes types don't export a buffer format
+            # that file.write understands, uint8 does.
+            f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
 

@@ -15,8 +15,8 @@ from qjax.checkpoint.safetensors_io import (
     INDEX_FILE_NAME,
     SafetensorsError,
     SafetensorsFile,
+    checkpoint_index,
     list_checkpoint_files,
-    read_index,
 )
 
 # (shape on disk, safetensors dtype, a function that returns the array)
@@ -61,8 +61,8 @@ class Checkpoint:
                     raise SafetensorsError(f"{self.folder}: tensor {k!r} is stored twice, in "
                                            f"{os.path.basename(where[k].path)} and {os.path.basename(f.path)}")
                 where[k] = f
-        if os.path.lexists(os.path.join(self.folder, INDEX_FILE_NAME)):
-            index = read_index(self.folder)
+        index = checkpoint_index(self.folder)  # None: model.safetensors is read (it wins over an index)
+        if index is not None:
             for k, shard in index.items():
                 if k not in where:
                     raise SafetensorsError(f"{self.folder}: {INDEX_FILE_NAME} maps tensor {k!r} to {shard}, which "

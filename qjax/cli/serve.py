@@ -23,6 +23,11 @@ import sys
 
 from qjax.cli.chat import add_verify_argument
 
+# the image bounds' defaults, stated here so that `qjax serve --help` does not import the serving stack (keep equal
+# to qjax.multimodal.images.DEFAULT_MAX_IMAGE_PIXELS and qjax.serving.api.DEFAULT_MAX_IMAGE_BYTES; a test checks)
+DEFAULT_MAX_IMAGE_PIXELS = 1 << 26
+DEFAULT_MAX_IMAGE_BYTES = 20 << 20
+
 # Flags that steer vLLM's own machinery and mean nothing to qjax: accepted, with this note.
 IGNORED_FLAGS: dict[str, str] = {
     "--trust-remote-code": "qjax runs its own qwen3_5_moe code; no remote code is loaded",
@@ -121,6 +126,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="let requests read file:// images under DIR (symbolic links resolved); without it file:// "
                         "URLs are refused. A security risk: only for trusted clients")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run chat templates that requests send (chat_template, chat_template_kwargs.chat_template); "
+                        "without it they are refused with 400 (vLLM's rule). Every template runs in a sandbox with "
+                        "step, memory and time budgets either way")
+    p.add_argument("--max-image-pixels", type=human_int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="the most pixels (width × height) an image may decode to, checked on its header before it is "
+                        f"decoded (default {DEFAULT_MAX_IMAGE_PIXELS:,}, below Pillow's decompression-bomb warning)")
+    p.add_argument("--max-image-bytes", type=human_int, default=DEFAULT_MAX_IMAGE_BYTES,
+                   help=f"the most bytes of one encoded image (default {DEFAULT_MAX_IMAGE_BYTES:,})")
     p.add_argument("--no-warmup", action="store_true", help="compile the engine's programs on first use")
     add_verify_argument(p)
     for flag, why in IGNORED_FLAGS.items():
@@ -177,27 +191,13 @@ def memory_limit(utilization: float) -> tuple[int, str]:
     """(bytes the plan may use on the first device, a description)."""
     import jax
 
-    dev = jax.devices()[0]
-    stats = None
-    try:
-        stats = dev.memory_stats()
-    except Exception:  # CPU devices have none
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        total = int(stats["bytes_limit"])
-        return int(total * utilization), f"{utilization:.2f} × {_gib(total)} of {dev.device_kind}"
-    avail = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if avail is None:
-        import os as _os
+    from qjax.model.memory import device_limit, host_available
 
-        avail = _os.sysconf("SC_PAGE_SIZE") * _os.sysconf("SC_AVPHYS_PAGES")
+    dev = jax.devices()[0]
+    total = device_limit(dev)
+    if total:
+        return int(total * utilization), f"{utilization:.2f} × {_gib(total)} of {dev.device_kind}"
+    avail = host_available() or 0
     return int(avail * utilization), f"{utilization:.2f} × {_gib(avail)} available host memory"
 
 
@@ -446,16 +446,23 @@ def _serve(a: argparse.Namespace) -> int:
     if not a.no_warmup:
         n = engine.warmup()
         print(f"qjax serve: compiled {n} engine programs", file=sys.stderr, flush=True)
+    from importlib.metadata import version
+
     state = ServerState(engine=engine, tokenizer=tokenizer, served_names=served, root=folder, metrics=metrics,
                         defaults=Defaults.from_generation_config(gc), api_key=a.api_key,
                         reasoning_parser=a.reasoning_parser, max_waiting=a.max_waiting_requests,
-                        image_limit=limits.get("image"), media_path=local_media)
+                        image_limit=limits.get("image"), media_path=local_media,
+                        trust_request_chat_template=a.trust_request_chat_template,
+                        max_image_pixels=a.max_image_pixels, max_image_bytes=a.max_image_bytes,
+                        version=version("qjax"))
     return serve_app(create_app(state), engine, a.host, a.port, a.uvicorn_log_level)
 
 
 def serve_app(app, engine, host: str, port: int, log_level: str) -> int:
-    """Bind, print the address, serve until SIGINT/SIGTERM (then stop accepting, cancel in-flight requests after a
-    grace period, stop the engine) and return 0."""
+    """Bind, print the address, serve until SIGINT/SIGTERM, then shut down cleanly and return 0: new requests get
+    503, every request in flight ends at the engine's next step (a waiting non-streaming request gets a 503 error
+    object, a stream its final chunk and ``[DONE]``: ``ServerState.begin_shutdown``), uvicorn lets those responses
+    go out (5 s at most) and closes, the engine stops. A second signal does not wait."""
     import uvicorn
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -481,6 +488,8 @@ def serve_app(app, engine, host: str, port: int, log_level: str) -> int:
     def stop(signum, frame):
         if server.should_exit:  # a second Ctrl-C: do not wait for in-flight requests
             server.force_exit = True
+        # the handler runs on the main thread, which is the event loop's: no request code runs meanwhile
+        app.state.server.begin_shutdown()
         server.should_exit = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):

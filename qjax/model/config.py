@@ -7,16 +7,19 @@ Every field the math needs is read from the file; nothing is hard-coded to the 3
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from typing import Any
 
-from qjax.validation import Fields, confined, read_json, show
+from qjax.validation import MAX_TOKEN_ID, Fields, confined, read_json, show
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+logger = logging.getLogger("qjax")
 
 # Upper bounds that no real config approaches (the 35B: 40 layers, 256 experts, 2,048 wide, 248,320 tokens) but that
 # keep a hostile one from asking for loops of a billion modules or tensors of a trillion elements.
@@ -149,10 +152,13 @@ class TextConfig:
         if sum(section) != rotary_half:
             raise ConfigError(f"{rope.where}: mrope_section {list(section)} must sum to rotary_dim/2 = {rotary_half}")
 
-        # special token ids may sit at the top of a composite config or in its text_config
+        # special token ids may sit at the top of a composite config or in its text_config; each is a row of the
+        # embedding (0 ≤ id < vocab_size): an id of 10^20 would only fail later, as an overflow deep in generate
+        vocab = f.int("vocab_size", min=1, max=MAX_VOCAB)
+        ids = dict(min=0, max=vocab - 1)
         tokens = top if top.has("eos_token_id") else f
-        eos = tokens.int_list("eos_token_id", [], min=0, scalar=True)
-        pad = (top if top.has("pad_token_id") else f).int("pad_token_id", None, min=0)
+        eos = tokens.int_list("eos_token_id", [], scalar=True, **ids)
+        pad = (top if top.has("pad_token_id") else f).int("pad_token_id", None, **ids)
         tie = (top if top.has("tie_word_embeddings") else f).bool("tie_word_embeddings", False)
         f.str("hidden_act", "silu", choices=("silu",))
         if f.bool("attention_bias", False):
@@ -163,7 +169,7 @@ class TextConfig:
                 dtype = dtype or fields.str(name, None)
 
         cfg = cls(
-            vocab_size=f.int("vocab_size", min=1, max=MAX_VOCAB),
+            vocab_size=vocab,
             hidden_size=hidden,
             num_hidden_layers=n_layers,
             layer_types=layer_types,
@@ -189,7 +195,7 @@ class TextConfig:
             mtp_num_hidden_layers=f.int("mtp_num_hidden_layers", 0, min=0, max=MAX_COUNT),
             eos_token_id=tuple(eos),
             pad_token_id=pad,
-            bos_token_id=(top if top.has("bos_token_id") else f).int("bos_token_id", None, min=0),
+            bos_token_id=(top if top.has("bos_token_id") else f).int("bos_token_id", None, **ids),
             dtype=dtype,
         )
         cfg.validate(where)
@@ -313,6 +319,9 @@ class VisionConfig:
             return None
         top = Fields(raw, source, ConfigError)
         f = top.sub("vision_config", required=True)
+        # the token ids index the text model's embedding: checked here, where the file can be named
+        vocab = top.sub("text_config").int("vocab_size", None, min=1, max=MAX_VOCAB)
+        token = dict(min=0, max=(vocab or MAX_VOCAB + 1) - 1)
         count = dict(min=1, max=MAX_COUNT)
         dim = dict(min=1, max=MAX_DIM)
         f.str("hidden_act", "gelu_pytorch_tanh", choices=("gelu_pytorch_tanh",))
@@ -336,10 +345,10 @@ class VisionConfig:
             out_hidden_size=f.int("out_hidden_size", 3584, **dim),
             rope_theta=theta,
             initializer_range=f.float("initializer_range", 0.02, min=0.0),
-            image_token_id=top.int("image_token_id", 248056, min=0, max=MAX_VOCAB),
-            video_token_id=top.int("video_token_id", 248057, min=0, max=MAX_VOCAB),
-            vision_start_token_id=top.int("vision_start_token_id", 248053, min=0, max=MAX_VOCAB),
-            vision_end_token_id=top.int("vision_end_token_id", 248054, min=0, max=MAX_VOCAB),
+            image_token_id=top.int("image_token_id", 248056, **token),
+            video_token_id=top.int("video_token_id", 248057, **token),
+            vision_start_token_id=top.int("vision_start_token_id", 248053, **token),
+            vision_end_token_id=top.int("vision_end_token_id", 248054, **token),
         )
         cfg.validate(f.where)
         return cfg
@@ -418,24 +427,38 @@ class GenerationConfig:
     max_new_tokens: int | None = None
 
     @classmethod
-    def from_dict(cls, raw: dict, *, source: str = "generation_config.json") -> "GenerationConfig":
+    def from_dict(cls, raw: dict, *, source: str = "generation_config.json",
+                  vocab_size: int | None = None) -> "GenerationConfig":
         """Parse a ``generation_config.json`` object; a field of the wrong type or range is a ``ValueError`` naming
-        ``source`` and the field."""
+        ``source`` and the field. Token ids must be below ``vocab_size`` (the model's, when known), else below 2^31.
+
+        ``do_sample: true`` with ``temperature: 0`` decodes greedily, as vLLM reads it (transformers refuses the
+        file; sampling at temperature 1 instead, as a plain ``or 1.0`` did, is neither): the config says greedy
+        (``do_sample`` false), so every consumer — :func:`qjax.generate`, the server's defaults — agrees, and a
+        warning on the ``qjax`` logger (one line on stderr under the command line) says so."""
         f = Fields(raw, source, ValueError)
+        ids = dict(min=0, max=(vocab_size or MAX_TOKEN_ID + 1) - 1)
+        do_sample = f.bool("do_sample", False)
+        temperature = f.float("temperature", 1.0, min=0.0)
+        if do_sample and temperature == 0:
+            logger.warning("%s: do_sample is true with temperature 0: decoding greedily, as vLLM does", source)
+            do_sample = False
         return cls(
-            do_sample=f.bool("do_sample", False),
-            temperature=f.float("temperature", 1.0, min=0.0) or 1.0,
+            do_sample=do_sample,
+            temperature=temperature or 1.0,  # 0 with do_sample false: greedy, the temperature unused
             top_k=f.int("top_k", 0, min=0),
             top_p=f.float("top_p", 1.0, positive=True, max=1.0),
-            eos_token_id=tuple(f.int_list("eos_token_id", [], min=0, scalar=True)),
-            pad_token_id=f.int("pad_token_id", None, min=0),
+            eos_token_id=tuple(f.int_list("eos_token_id", [], scalar=True, **ids)),
+            pad_token_id=f.int("pad_token_id", None, **ids),
             max_new_tokens=f.int("max_new_tokens", None, min=1),
         )
 
     @classmethod
-    def from_folder(cls, folder: str | os.PathLike) -> "GenerationConfig":
+    def from_folder(cls, folder: str | os.PathLike, *, vocab_size: int | None = None) -> "GenerationConfig":
+        """``folder``'s ``generation_config.json`` (the defaults when it has none); ``vocab_size``: the model's, which
+        its token ids must stay below."""
         folder = os.fspath(folder)
         path = confined(folder, "generation_config.json", what=folder)
         if not os.path.lexists(path):
             return cls()
-        return cls.from_dict(read_json(path), source=path)
+        return cls.from_dict(read_json(path), source=path, vocab_size=vocab_size)

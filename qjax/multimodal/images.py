@@ -28,7 +28,6 @@ import dataclasses
 import io
 import math
 import os
-import stat
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +38,7 @@ try:
 except ImportError:  # sizes and the config work without Pillow: a machine without it still loads models
     Image = ImageOps = None
 
-from qjax.validation import Fields, confined, read_json, show
+from qjax.validation import Fields, confined, open_regular, read_json, show
 
 __all__ = ["ImageError", "ImageProcessorConfig", "ProcessedImages", "smart_resize", "num_image_tokens", "load_image",
            "decode_image_url", "preprocess", "ALLOWED_FORMATS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_IMAGE_PIXELS",
@@ -355,30 +354,13 @@ def _decode(fp: Any, where: str, what: str, max_image_pixels: int) -> Image.Imag
         raise ImageError(f"{where}: cannot decode image{what}: {_reason(e)}") from None
 
 
-def _regular_file(path: str, where: str, max_bytes: int | None) -> None:
-    """Raise an ImageError unless ``path`` is an existing regular file (of at most ``max_bytes`` bytes)."""
-    if "\x00" in path:
-        raise ImageError(f"{where}: {show(path)} is not a file name")
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ImageError(f"{where}: no such file: {path}") from None
-    except OSError as e:
-        raise ImageError(f"{where}: cannot read {path}: {e.strerror or _reason(e)}") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise ImageError(f"{where}: {path} is a directory, not an image file")
-    if not stat.S_ISREG(st.st_mode):
-        raise ImageError(f"{where}: {path} is not a regular file")
-    if max_bytes is not None and st.st_size > max_bytes:
-        raise ImageError(f"{where}: {path} is {st.st_size} bytes, over the limit of {max_bytes}")
-
-
 def _need_pillow(where: str) -> None:
     if Image is None:
         raise ImageError(f"{where}: image input needs Pillow (pip install 'pillow>=10'), which is not installed")
 
 
-def load_image(source: Any, *, where: str, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+def load_image(source: Any, *, where: str, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+               max_bytes: int = DEFAULT_MAX_BYTES) -> Image.Image:
     """A decoded ``PIL.Image.Image`` from ``source``:
 
     - a filesystem path (``str`` / ``os.PathLike``) or raw ``bytes``: decoded by Pillow (formats in
@@ -386,19 +368,16 @@ def load_image(source: Any, *, where: str, max_image_pixels: int = DEFAULT_MAX_I
     - a ``PIL.Image.Image``: returned as is, after loading it (a lazily opened file fails here);
     - a numpy ``uint8`` array ``[H, W]`` (mode L), ``[H, W, 3]`` (RGB) or ``[H, W, 4]`` (RGBA).
 
-    The mode is kept (an alpha band is composited onto white by :func:`preprocess`, as transformers does). Any
-    failure, and an image over ``max_image_pixels`` pixels, is an :class:`ImageError` starting with ``where``."""
+    The mode is kept (an alpha band is composited onto white by :func:`preprocess`, as transformers does). A path
+    must be a regular file of at most ``max_bytes`` bytes (:func:`qjax.validation.open_regular`: a FIFO would block
+    the read). Any failure, and an image over ``max_image_pixels`` pixels, is an :class:`ImageError` starting with
+    ``where``."""
     _need_pillow(where)
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _decode(io.BytesIO(bytes(source)), where, "", max_image_pixels)
     if isinstance(source, (str, os.PathLike)):
         path = os.fsdecode(os.fspath(source))
-        _regular_file(path, where, None)  # before open(): opening a FIFO would block
-        try:
-            f = open(path, "rb")
-        except OSError as e:
-            raise ImageError(f"{where}: cannot read {path}: {e.strerror or _reason(e)}") from None
-        with f:
+        with open_regular(path, what="an image file", max_bytes=max_bytes, error=ImageError, where=where) as f:
             return _decode(f, where, f" file {path}", max_image_pixels)
     if isinstance(source, Image.Image):
         _check_pixels(source, where, max_image_pixels)
@@ -476,8 +455,7 @@ def _decode_file_url(url: str, *, where: str, allow_files: bool, max_bytes: int,
     path = urllib.parse.unquote(parts.path)
     if not path.startswith("/") or "\x00" in path:
         raise ImageError(f"{where}: file URL must name an absolute path, got {show(url)}")
-    _regular_file(path, where, max_bytes)
-    return load_image(path, where=where, max_image_pixels=max_image_pixels)
+    return load_image(path, where=where, max_image_pixels=max_image_pixels, max_bytes=max_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

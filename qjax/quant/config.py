@@ -7,7 +7,8 @@ decodes to plausible-looking garbage rather than an error.
 
 Module matching follows ``compressed_tensors.utils.match`` + ``lifecycle.apply`` (the oracle):
   * a target/ignore entry matches a module name by exact equality, by ``re.match`` (anchored at the start only) for
-    ``re:`` entries, or by class: ``"Linear"`` matches every linear module (the caller says which names are linear);
+    ``re:`` entries (run by RE2 in linear time: a file's pattern cannot hang the loader), or by class: ``"Linear"``
+    matches every linear module (the caller says which names are linear);
   * ``ignore`` overrides targets;
   * when several groups match, compressed-tensors prefers an exact-name target, then regex targets in *alphabetical*
     order of the pattern, then class targets; a target string listed by two groups belongs to the later group (its
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any
 
 from qjax.model.config import read_config
+from qjax.validation import compile_pattern
 
 __all__ = [
     "QuantConfigError",
@@ -134,10 +135,10 @@ class QuantizationConfig:
     format: str | None = None
     # Match tables, derived from groups/ignore (not part of equality or hashing).
     _exact: dict[str, int] = dataclasses.field(init=False, repr=False, compare=False)
-    _regex: tuple[tuple[str, re.Pattern[str], int], ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _regex: tuple[tuple[str, Any, int], ...] = dataclasses.field(init=False, repr=False, compare=False)  # RE2
     _linear: int | None = dataclasses.field(init=False, repr=False, compare=False)
     _ignore_exact: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
-    _ignore_regex: tuple[re.Pattern[str], ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _ignore_regex: tuple[Any, ...] = dataclasses.field(init=False, repr=False, compare=False)
     _ignore_linear: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -297,11 +298,10 @@ def _is_class_name(target: str) -> bool:
     return not target.startswith("re:") and "." not in target and target[:1].isupper() and target.isidentifier()
 
 
-def _compile(target: str, source: str, where: str) -> re.Pattern[str]:
-    try:
-        return re.compile(target[3:])
-    except re.error as e:
-        raise QuantConfigError(f"{source}: quantization_config.{where}: invalid regex {target!r}: {e}") from e
+def _compile(target: str, source: str, where: str):
+    """The ``re:`` entry's pattern, matched by RE2 (linear time; see qjax.validation.compile_pattern) with
+    ``re.match``'s anchoring, as compressed-tensors matches it."""
+    return compile_pattern(target[3:], where=f"{source}: quantization_config.{where}", error=QuantConfigError)
 
 
 def _is_empty(v: Any) -> bool:

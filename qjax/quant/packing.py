@@ -35,6 +35,7 @@ __all__ = [
     "pack_zero_point",
     "unpack_zero_point",
     "e8m0_to_float32",
+    "e8m0_max_byte",
     "e4m3_to_float32",
     "float32_to_e4m3",
     "quantize_int",
@@ -185,6 +186,23 @@ def e8m0_to_float32(u8: np.ndarray) -> np.ndarray:
     bits = u.astype(np.uint32) << np.uint32(23)  # exponent field = u8, mantissa 0
     bits = np.where(u == 0, np.uint32(0x00400000), bits)
     return bits.astype(np.uint32).view(np.float32)
+
+
+def e8m0_max_byte(dtype=None) -> int:
+    """The largest E8M0 scale byte ``e`` that keeps every weight of its group finite once dequantized for a model
+    computing in ``dtype`` (None: bfloat16).
+
+    The rule: the kernels dequantize ``w · 2^(e−127)`` in float32, round it once to bfloat16 and cast that to the
+    model's dtype (``kernels/qmatmul_reference.dequantize``; the Pallas kernels round the same way), and the largest
+    E4M3 value is 448, so ``448 · 2^(e−127)`` must be finite in bfloat16 and in ``dtype``:
+    ``e ≤ 127 + floor(log2(max(dtype) / 448))``, which is 246 for bfloat16, float32 and float64 (float32 shares
+    bfloat16's exponent range, and bfloat16's bounds float64's), 134 for float16 (65504 / 448 < 2^8), and never more
+    than 254 (2^127, the largest finite E8M0 scale; 255 is NaN). A larger byte turns its group — and the logits —
+    into infinities and NaN. No producer writes one: a bfloat16 weight's largest amax gives 246."""
+    limit = 2 * _E8M0_BIAS  # 254
+    for d in (ml_dtypes.bfloat16, np.dtype(ml_dtypes.bfloat16 if dtype is None else dtype)):
+        limit = min(limit, _E8M0_BIAS + math.floor(math.log2(float(ml_dtypes.finfo(d).max) / E4M3_MAX)))
+    return limit
 
 
 def e4m3_to_float32(x: np.ndarray) -> np.ndarray:

@@ -39,6 +39,7 @@ from flax import nnx
 
 from qjax.checkpoint.hub import ASSETS
 from qjax.convert.planner import plan_recipe_cfg
+from qjax.model.memory import device_limit, host_available
 from qjax.model.cache import Cache, cache_length
 from qjax.model.config import FULL, TextConfig
 from qjax.model.qwen3_5_moe import Qwen3_5MoeForCausalLM
@@ -478,25 +479,11 @@ def check_memory(cfg: TextConfig, recipe: str, dtype, mesh) -> None:
     p = plan_recipe_cfg(cfg, recipe, dtype=jnp.dtype(dtype).name, mesh=mesh)
     need = p.mesh_device_bytes if mesh is not None else p.device_bytes
     dev = jax.local_devices()[0]
-    stats = device_memory()
-    if stats and stats.get("bytes_limit"):
-        have, where = int(stats["bytes_limit"]), f"{dev.device_kind} memory"
-    else:
-        have, where = _host_available(), "available host memory"
+    limit = device_limit(dev)
+    have, where = (limit, f"{dev.device_kind} memory") if limit else (host_available(), "available host memory")
     if have and need > 0.9 * have:
         raise MemoryError(f"recipe {recipe!r}: the weights need {need / 2**30:.1f} GiB per device, {where} is "
                           f"{have / 2**30:.1f} GiB; use a smaller config (--scale 8) or a mesh")
-
-
-def _host_available() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------

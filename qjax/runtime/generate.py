@@ -25,9 +25,10 @@ from qjax.kernels import use as use_kernels
 from qjax.model.cache import Cache, cache_length
 from qjax.model.config import GenerationConfig
 from qjax.multimodal.prompt import prepare_images
-from qjax.runtime.sampling import SamplingArrays, filter_logits
+from qjax.runtime.sampling import SamplingArrays, filter_logits, seed_key
 from qjax.runtime.speculative import SpeculativeStats, generate_speculative, row_keys
 from qjax.runtime.speculative import rounds as speculative_rounds
+from qjax.validation import MAX_TOKEN_ID
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -186,6 +187,12 @@ def _resolve(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_to
         top_k=int(gc.top_k if top_k is None else top_k),
         top_p=float(gc.top_p if top_p is None else top_p),
         eos=tuple(int(e) for e in eos), pad=int(pad))
+    # ids are held as int32: one of 10^20 would overflow deep in a jitted step (an id past the vocabulary is only
+    # never generated — a tokenizer's stop ids may lie past a small model's vocabulary)
+    for name, ids in (("eos_token_id", s.eos), ("pad_token_id", (s.pad,))):
+        bad = next((i for i in ids if not 0 <= i <= MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise ValueError(f"{name} {bad} is not a token id (0 to {MAX_TOKEN_ID})")
     if s.do_sample and s.temperature <= 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {s.temperature}")
     if not 0.0 < s.top_p <= 1.0:
@@ -303,7 +310,7 @@ def generate(model, input_ids, *, max_new_tokens: int | None = None, attention_m
     if return_stats:
         raise ValueError("return_stats needs speculative='mtp'")
     ids, graphdef, state, logits, cache = _prefilled(model, input_ids, attention_mask, n_new, images, s.pad)
-    tokens, n, _ = decode_loop(graphdef, state, cache, logits, jax.random.key(seed), s, n_new)
+    tokens, n, _ = decode_loop(graphdef, state, cache, logits, seed_key(seed), s, n_new)
     n = int(n)
     return np.concatenate([np.asarray(ids), np.asarray(tokens)[:, :n]], axis=1)
 
@@ -328,7 +335,7 @@ def stream(model, input_ids, *, max_new_tokens: int | None = None, attention_mas
     if stats is not None:
         raise ValueError("stats needs speculative='mtp'")
     ids, graphdef, state, logits, cache = _prefilled(model, input_ids, attention_mask, n_new, images, s.pad)
-    key = jax.random.key(seed)
+    key = seed_key(seed)
     done = jnp.zeros((ids.shape[0],), bool)
     for _ in range(n_new):
         key, sub = jax.random.split(key)

@@ -15,6 +15,13 @@ from flax import struct
 
 from qjax.kernels import accum_dtype
 
+# Temperatures above this sample as this one does. At 1e30 the draw is already uniform over the kept tokens for any
+# logit below ~1e22 (x / T vanishes beside the Gumbel noise in float32) and x / T still orders the logits, so top-k
+# and top-p keep what they should; larger ones flush x / T to zero (ties: top_k=20 kept 901 of 1000 tokens at 1e38)
+# and past float32's largest number T becomes inf. So the clamp changes no draw a larger temperature was meant to give.
+MAX_TEMPERATURE = 1e30
+INT32_MAX = (1 << 31) - 1
+
 
 @struct.dataclass
 class SamplingArrays:
@@ -28,10 +35,12 @@ class SamplingArrays:
     @classmethod
     def make(cls, do_sample, temperature, top_k, top_p) -> "SamplingArrays":
         """From per-row host values (sequences or scalars broadcast by numpy). ``1 − top_p`` is formed in float64
-        and rounded once, as Python does for a float threshold, so a row filters exactly like the scalar path."""
+        and rounded once, as Python does for a float threshold, so a row filters exactly like the scalar path.
+        Temperatures above :data:`MAX_TEMPERATURE` and top-k above int32's largest (k ≥ the vocabulary: off either
+        way) are clamped, never wrapped; a top-k beyond int64 raises OverflowError."""
         do_sample, temperature, top_k, top_p = np.broadcast_arrays(
-            np.asarray(do_sample, bool), np.asarray(temperature, np.float64), np.asarray(top_k, np.int64),
-            np.asarray(top_p, np.float64))
+            np.asarray(do_sample, bool), np.minimum(np.asarray(temperature, np.float64), MAX_TEMPERATURE),
+            np.minimum(np.asarray(top_k, np.int64), INT32_MAX), np.asarray(top_p, np.float64))
         return cls(do_sample=jnp.asarray(do_sample), temperature=jnp.asarray(temperature, jnp.float32),
                    top_k=jnp.asarray(top_k, jnp.int32), top_p_cut=jnp.asarray(1.0 - top_p, jnp.float32))
 
@@ -81,6 +90,39 @@ def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``keys [B]`` → (the keys to keep, the subkeys to draw with): ``jax.random.split`` per row."""
     both = jax.vmap(jax.random.split)(keys)
     return both[:, 0], both[:, 1]
+
+
+# seeds: the int64 range (an HTTP request's, as vLLM's) widened to uint64's top, so that a server's ``seed + j`` for a
+# request's n choices stays in range from any int64 seed
+SEED_MIN, SEED_END = -(1 << 63), 1 << 64
+
+
+def seed_key_data(seed: int) -> np.ndarray:
+    """A seed's threefry key data ``[2]`` uint32, made on the host: the seed's 64 bits (two's complement, i.e. the
+    seed modulo 2⁶⁴), high word first. That is ``jax.random.key(seed)`` for seeds in [0, 2³²), and for every int64
+    seed under jax_enable_x64 (without it jax keeps only the low 32 bits, so 5 and 2³² + 5 would draw alike); −1 and
+    2⁶⁴ − 1 are one seed. The same in either mode, and no device call. A seed outside [−2⁶³, 2⁶⁴) is a ValueError."""
+    if not SEED_MIN <= int(seed) < SEED_END:
+        raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_END}), got {seed}")
+    u = int(seed) % (1 << 64)
+    return np.array([u >> 32, u & 0xFFFFFFFF], np.uint32)
+
+
+def seed_key(seed: int) -> jax.Array:
+    """The PRNG key of a seed (:func:`seed_key_data`): what ``qjax.generate`` and the serving engine both draw from."""
+    return jax.random.wrap_key_data(seed_key_data(seed))
+
+
+@jax.jit
+def _kept_key(key_data, n):
+    return jax.random.key_data(jax.lax.fori_loop(0, n, lambda i, k: split_keys(k)[0], jax.random.wrap_key_data(
+        key_data)))
+
+
+def kept_key_data(key_data: np.ndarray, n: int) -> np.ndarray:
+    """``key_data [2]`` uint32 after ``n`` draws: the key :func:`split_keys` keeps, ``n`` times over (what a row
+    holds after drawing n times from that key)."""
+    return np.asarray(_kept_key(np.asarray(key_data, np.uint32)[None], np.int32(n)))[0]
 
 
 def token_logprobs(logits: jnp.ndarray, tokens: jnp.ndarray, k: int) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from qjax.model.cache import Cache, cache_length
-from qjax.runtime.sampling import SamplingArrays, filter_logits, sample, split_keys
+from qjax.runtime.sampling import SamplingArrays, filter_logits, sample, seed_key, split_keys
 
 
 @dataclasses.dataclass
@@ -228,7 +228,7 @@ def round_loop(graphdef, state, cache: Cache, mtp_cache: Cache, first, drafts, k
 
 def row_keys(seed: int, batch: int) -> jax.Array:
     """One PRNG key per row from one seed: rows of a batch draw independently, and a seed reproduces."""
-    return jax.random.split(jax.random.key(seed), batch)
+    return jax.random.split(seed_key(seed), batch)
 
 
 def _prefilled(model, ids, mask, max_new_tokens: int, k: int, sampling: SamplingArrays, keys):

@@ -6,8 +6,9 @@
 
 The pool is one :class:`qjax.model.cache.Cache` of ``max_num_seqs`` rows × ``max_model_len`` slots (each row: its
 full-attention K/V, its GDN conv window and fp32 recurrent state, its own length), plus per-row device arrays: the
-last token, the PRNG key and the sampling settings. Every engine step runs on the calling thread (or the engine's
-own thread) and issues at most two device programs, both compiled for a few bucketed shapes only:
+last token, the PRNG key and the sampling settings (:mod:`qjax.serving.programs`: the pool and the programs; this
+module: the scheduler). Every engine step runs on the calling thread (or the engine's own thread) and issues at most
+two device programs, both compiled for a few bucketed shapes only:
 
 - **prefill**: the next chunks of the prompts being prefilled (≤ ``max_num_batched_tokens`` tokens in all, one chunk
   per sequence, right-padded to a bucket): a new sequence first empties its row; a sequence whose prompt ends in
@@ -35,8 +36,21 @@ unchanged. After the prompt the row's next position is its largest prompt positi
 more. Images with MTP speculation are refused.
 
 A request alone and a request in any batch run the same arithmetic on their own row: float32 greedy tokens equal
-``qjax.generate``'s for that prompt, and a seeded request draws with ``jax.random.key(seed)`` split once per token,
-as ``qjax.generate`` does, so sampled tokens equal too (tests/test_serving_engine.py).
+``qjax.generate``'s for that prompt, and a seeded request draws with its seed's key split once per token, as
+``qjax.generate`` does, so sampled tokens equal too (tests/test_serving_engine.py). The key is made from the seed's 64
+bits (:func:`qjax.runtime.sampling.seed_key_data`), which is ``jax.random.key(seed)`` for seeds in [0, 2³²).
+
+**Failures** end only the requests they belong to. Values are range-checked at admission
+(:mod:`qjax.serving.requests`); a step's host work is done per sequence, and a sequence whose part fails (building
+its prefill row, reading its results) ends alone with ``finish_reason`` ``"error"`` and a one-line
+``RequestOutput.error``. A device call that raises (prefill, decode, verify, swap) is blamed on no one yet: a
+sequence that ran it alone ends with an error; the call's others become *suspects* that run their next calls alone
+until one passes (a sequence in :data:`MAX_CALL_FAILURES` failed calls ends anyway). If the call took the pool (it is
+donated) every sequence is *rewound* onto a new one: prefill runs again over its prompt and the tokens it emitted,
+from its key as it was then. Its last emitted token is drawn again by that prefill and must equal — rows are
+deterministic (greedy, or seeded: the key split once per draw) — so the row is where it was and nothing is emitted
+twice; if it differs (another arithmetic, a near-tie) the emitted tokens stand as context and the next one is drawn.
+No other program is compiled while nothing fails.
 """
 
 from __future__ import annotations
@@ -45,38 +59,47 @@ import collections
 import dataclasses
 import functools
 import logging
-import math
 import queue
 import random
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
 
-from qjax.model.cache import Cache, gather_rows, scatter_rows
 from qjax.multimodal.positions import PromptError
-from qjax.multimodal.prompt import check_vision, prepare_images
-from qjax.runtime.sampling import SamplingArrays, sample, split_keys, token_logprobs
-from qjax.runtime.speculative import SpeculativeStats, accept, propose
+from qjax.multimodal.prompt import check_vision
+from qjax.runtime.sampling import SamplingArrays, kept_key_data, seed_key_data
+from qjax.runtime.speculative import SpeculativeStats
+
+from .programs import Pool, Programs
+
+# the request side lives in .requests; its public names stay importable from here (api.py, protocol.py, qjax.serving)
+from .requests import (  # noqa: F401
+    EngineError,
+    ImageInput,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+    check_prompt,
+    encode_images,
+    is_int,
+)
 
 logger = logging.getLogger("qjax.serving")
 
-# Greedy below this temperature, as vLLM does (OpenAI's temperature 0 means greedy).
-GREEDY_TEMPERATURE = 1e-5
 # Smallest bucket of cache slots attention reads at decode; buckets double up to max_model_len.
 MIN_KV_BUCKET = 256
 # Smallest prefill chunk bucket (tokens per sequence per call; the GDN chunk size); buckets grow ×4 up to
 # max_num_batched_tokens.
 MIN_CHUNK_BUCKET = 64
-
-
-class EngineError(ValueError):
-    """A request or a configuration the engine cannot serve; the message names the field and the numbers."""
+# A sequence in this many failed device calls is ended even if it never failed alone: calls that fail only together
+# (too many rows at once, say) would else fail and be retried forever.
+MAX_CALL_FAILURES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +123,12 @@ class EngineConfig:
     def check(self, max_position_embeddings: int, data_parallel: int = 1) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "decode_steps"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise EngineError(f"{name} must be a positive integer, got {v!r}")
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or k < 0:
-            raise EngineError(f"num_speculative_tokens must be a non-negative integer, got {k!r}")
+        for name in ("num_speculative_tokens", "max_logprobs"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 0:
+                raise EngineError(f"{name} must be a non-negative integer, got {v!r}")
         if self.max_model_len > max_position_embeddings:
             raise EngineError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                               f"{max_position_embeddings}")
@@ -113,334 +137,59 @@ class EngineConfig:
                               f"({data_parallel}): the slot pool is split over it")
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """One request's decoding settings (OpenAI / vLLM semantics)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # < 1e-5: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    seed: int | None = None  # None: a fresh random seed
-    stop_token_ids: tuple[int, ...] = ()  # end the output (the token is part of it), besides the model's eos
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top log-probabilities per generated token (0: only the chosen token's)
-    prompt_logprobs: int | None = None  # the same for every prompt token after the first
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
-    def check(self, max_logprobs: int) -> None:
-        def bad(field, msg):
-            raise EngineError(f"{field}: {msg}")
-
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-            bad("max_tokens", f"must be a non-negative integer, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            bad("temperature", f"must be ≥ 0, got {self.temperature}")
-        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
-            bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
-        for field in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, field)
-            if v is not None and not 0 <= v <= max_logprobs:
-                bad(field, f"must be between 0 and {max_logprobs}, got {v}")
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ImageInput:
-    """A request's images, ready for prefill (:func:`encode_images`): ``position_ids`` int32 ``[3, T]``, the M-RoPE
-    rows of its expanded prompt of ``T`` tokens; ``embeds`` ``[N, H]`` (host array, the model's dtype), the vision
-    tower's features of the prompt's ``N`` image tokens in order."""
-
-    position_ids: np.ndarray
-    embeds: np.ndarray
-
-
-def encode_images(model, prompt_ids: Sequence[int], images: Sequence) -> tuple[list[int], ImageInput]:
-    """``prompt_ids`` with one image placeholder per image (as the chat template writes ``<|image_pad|>``) and the
-    images (anything :func:`qjax.multimodal.images.load_image` takes: PIL images, bytes, paths, uint8 arrays) → the
-    expanded prompt and its :class:`ImageInput`, exactly as ``qjax.generate(images=…)`` prepares them
-    (:func:`qjax.multimodal.prompt.prepare_images`; the vision tower runs here, on the calling thread). Raises
-    PromptError or ImageError (one line) for placeholders and images that disagree, an unreadable image, or a model
-    without its vision tower."""
-    p = prepare_images(model, np.asarray([list(prompt_ids)], np.int64), None, list(images))
-    return ([int(t) for t in p.input_ids[0]],
-            ImageInput(position_ids=np.ascontiguousarray(p.position_ids[:, 0], np.int32),
-                       embeds=np.asarray(p.image_embeds)))
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenLogprob:
-    """A token's log-probability under the model (raw logits) and the top alternatives at its position."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, log p), most likely first
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """What a request produced since its last output (the engine calls the request's callback with it)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first output; entry 0 is None
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | None = None  # the stop token that ended it (None for the model's eos)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# device state and programs
-# ---------------------------------------------------------------------------------------------------------------------
-@struct.dataclass
-class Pool:
-    """Everything the device keeps per slot."""
-
-    cache: Cache
-    tokens: jnp.ndarray  # [B] int32: the row's last token (the next decode input)
-    keys: jnp.ndarray  # [B, 2] uint32: the row's PRNG key data (split once per drawn token, or per verify round)
-    sampling: SamplingArrays  # [B]
-    mtp_cache: Cache | None = None  # with speculation: the MTP head's K/V, slots aligned with ``cache``'s
-    drafts: jnp.ndarray | None = None  # with speculation: [B, k] int32, the row's drafts for its next verify round
-
-    def prefix(self, n: int) -> "Pool":
-        """The first ``n`` rows (a copy the decode steps run on as a whole batch)."""
-        return Pool(cache=self.cache.prefix(n), tokens=self.tokens[:n], keys=self.keys[:n],
-                    sampling=_row_fields(self.sampling, n),
-                    mtp_cache=None if self.mtp_cache is None else self.mtp_cache.prefix(n),
-                    drafts=None if self.drafts is None else self.drafts[:n])
-
-    def with_prefix(self, part: "Pool") -> "Pool":
-        """This pool with its first rows replaced by ``part`` (sampling settings do not change in a decode)."""
-        put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, 0)  # noqa: E731
-        return Pool(cache=self.cache.with_prefix(part.cache), tokens=put(self.tokens, part.tokens),
-                    keys=put(self.keys, part.keys), sampling=self.sampling,
-                    mtp_cache=None if self.mtp_cache is None else self.mtp_cache.with_prefix(part.mtp_cache),
-                    drafts=None if self.drafts is None else put(self.drafts, part.drafts))
-
-
-def _row_fields(x: SamplingArrays, rows) -> SamplingArrays:
-    return jax.tree.map(lambda a: gather_rows(a, rows), x)
-
-
-class _Programs:
-    """The engine's jitted programs, closed over the model's graph (only arrays are passed per call)."""
-
-    def __init__(self, model, compiled: Callable[[tuple], None], k: int = 0):
-        """``k``: MTP drafts per verify round (0: plain decoding)."""
-        graphdef, state = nnx.split(model)
-        leaves, treedef = jax.tree.flatten(state)
-        self.leaves = leaves
-        self.k = k
-        self._note = compiled
-
-        def merged(leaves):
-            return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-
-        def prefill(leaves, pool: Pool, rows, ids, n, reset, final, key_data, sampling: SamplingArrays, targets,
-                    position_ids=None, image_embeds=None, *, kv_len: int, top_k: int | None,
-                    prompt_top_k: int | None):
-            model = merged(leaves)
-            new_rows = jnp.where(reset, rows, pool.cache.batch_size)
-            cache = pool.cache.reset_rows(new_rows)
-            mask = jnp.arange(ids.shape[1])[None, :] < n[:, None]
-            start = gather_rows(cache.positions, rows)  # [P] the chunk's first position
-            # an image call (the second variant): M-RoPE rows and the features of the call's image tokens
-            out = model.forward(ids, attention_mask=mask, cache=cache, cache_rows=rows, kv_len=kv_len, last_only=True,
-                                position_ids=position_ids, image_embeds=image_embeds)
-            last = jnp.take_along_axis(out.hidden, jnp.maximum(n - 1, 0)[:, None, None], axis=1)  # [P, 1, H]
-            logits = model.logits_from_hidden(last)[:, 0]
-            keys = jnp.where(reset[:, None], key_data, gather_rows(pool.keys, rows))
-            keep, sub = split_keys(jax.random.wrap_key_data(keys))
-            tok = sample(logits, sub, sampling)
-            lp = token_logprobs(logits, tok, top_k) if top_k is not None else _no_logprobs(tok)
-            keep = jnp.where(final[:, None], jax.random.key_data(keep), keys)
-            old = gather_rows(pool.tokens, rows)
-            mtp_cache, drafts = pool.mtp_cache, pool.drafts
-            if k:
-                # the head over the chunk: position t reads the token after it — the next prompt token, or the first
-                # drawn one at a prompt's last position — so its cache covers the whole prompt; drafts after that
-                last = jnp.maximum(n - 1, 0)
-                at_last = jnp.arange(ids.shape[1])[None, :] == last[:, None]
-                nxt = jnp.where(at_last & final[:, None], tok[:, None], targets)
-                positions = start[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :] + 1
-                new, mtp_cache = propose(model, nxt, out.hidden, mtp_cache.reset_rows(new_rows), mask, positions,
-                                         last, k, rows=rows, kv_len=kv_len)
-                drafts = scatter_rows(drafts, rows, jnp.where(final[:, None], new, gather_rows(drafts, rows)))
-            pool = Pool(cache=out.cache, tokens=scatter_rows(pool.tokens, rows, jnp.where(final, tok, old)),
-                        keys=scatter_rows(pool.keys, rows, keep),
-                        sampling=jax.tree.map(lambda a, v: scatter_rows(a, rows, v), pool.sampling, sampling),
-                        mtp_cache=mtp_cache, drafts=drafts)
-            prompt = None
-            if prompt_top_k is not None:
-                prompt = _prompt_logprobs(model, out.hidden, targets, prompt_top_k)
-            return pool, tok, lp, prompt
-
-        def decode(leaves, pool: Pool, active, steps, *, rows: int | None, kv_len: int, max_steps: int,
-                   top_k: int | None):
-            model = merged(leaves)
-            whole = pool
-            if rows is not None:
-                # the running sequences are the first `rows` slots: they are copied out once per call and back once
-                # at its end, and the steps run on that small pool as a whole batch. Reading and writing a prefix of
-                # the big pool inside every step made XLA copy each GDN state stack per layer per step (one
-                # sequence in a 32-slot pool decoded at 0.56× the speed of a 1-slot pool)
-                pool = pool.prefix(rows)
-            sampling = pool.sampling
-
-            def body(i, carry):
-                pool, out = carry
-                tok, keys = pool.tokens, pool.keys
-                fwd = model.forward(tok[:, None], attention_mask=active[:, None], cache=pool.cache, kv_len=kv_len)
-                logits = fwd.logits[:, 0]
-                keep, sub = split_keys(jax.random.wrap_key_data(keys))
-                new = sample(logits, sub, sampling)
-                lp = token_logprobs(logits, new, top_k) if top_k is not None else _no_logprobs(new)
-                pool = pool.replace(cache=fwd.cache, tokens=jnp.where(active, new, tok),
-                                    keys=jnp.where(active[:, None], jax.random.key_data(keep), keys))
-                # log-probabilities are kept in float32 whatever the model computes in (a float64 model's are
-                # rounded here once: they leave as JSON numbers of float32 precision either way)
-                out = jax.tree.map(lambda buf, v: buf.at[i].set(v.astype(buf.dtype)), out, (new, *lp))
-                return pool, out
-
-            b, k = active.shape[0], top_k or 0
-            out = (jnp.zeros((max_steps, b), jnp.int32), jnp.zeros((max_steps, b), jnp.float32),
-                   jnp.zeros((max_steps, b, k), jnp.int32), jnp.zeros((max_steps, b, k), jnp.float32))
-            pool, out = jax.lax.fori_loop(0, steps, body, (pool, out))
-            if rows is not None:
-                pool = whole.with_prefix(pool)
-            return pool, out
-
-        def verify(leaves, pool: Pool, active, *, rows: int | None, kv_len: int, top_k: int | None):
-            """One verify round for the running rows (``active [b]``, the first ``b`` or all rows): (pool, tokens
-            ``[b, k + 1]`` of which row i emitted the first ``consumed[i]``, consumed ``[b]``, their logprobs)."""
-            model = merged(leaves)
-            whole = pool
-            if rows is not None:
-                pool = pool.prefix(rows)  # as in decode
-            last, drafts = pool.tokens, pool.drafts
-            start = pool.cache.positions  # [b] each row's position of `last`
-            ids = jnp.concatenate([last[:, None], drafts], axis=1)
-            mask = jnp.broadcast_to(active[:, None], ids.shape)
-            out = model.forward(ids, attention_mask=mask, cache=pool.cache, kv_len=kv_len, keep_steps=True)
-            keep, sub = split_keys(jax.random.wrap_key_data(pool.keys))
-            tokens, consumed = accept(out.logits, drafts, sub, pool.sampling)
-            cache = out.cache.accept(consumed, active)
-            lp = token_logprobs(out.logits, tokens, top_k) if top_k is not None else _no_logprobs(tokens)
-            steps = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-            new, mtp_cache = propose(model, tokens, out.hidden, pool.mtp_cache, mask & (steps < consumed[:, None]),
-                                     start[:, None] + steps + 1, consumed - 1, k, kv_len=kv_len)
-            emitted = jnp.take_along_axis(tokens, (consumed - 1)[:, None], axis=1)[:, 0]
-            pool = Pool(cache=cache, tokens=jnp.where(active, emitted, last),
-                        keys=jnp.where(active[:, None], jax.random.key_data(keep), pool.keys), sampling=pool.sampling,
-                        mtp_cache=mtp_cache, drafts=jnp.where(active[:, None], new, drafts))
-            if rows is not None:
-                pool = whole.with_prefix(pool)
-            lp = tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in lp)
-            return pool, tokens, consumed, lp
-
-        def swap(pool: Pool, a, b):
-            """Exchange rows a and b of every per-row array of the pool (its cache rows included)."""
-            def one(x, axis):
-                ra, rb = (jax.lax.dynamic_index_in_dim(x, r, axis) for r in (a, b))
-                x = jax.lax.dynamic_update_index_in_dim(x, rb, a, axis)
-                return jax.lax.dynamic_update_index_in_dim(x, ra, b, axis)
-
-            def cache_rows(cache):
-                if cache is None:
-                    return None
-                slots = jax.tree.map(lambda x: one(x, 1), cache.slots)  # [G, B, …]
-                key_valid, positions, lengths = (one(x, 0) for x in (cache.key_valid, cache.positions, cache.lengths))
-                return Cache(slots=slots, key_valid=key_valid, positions=positions, lengths=lengths)
-
-            tokens, keys, sampling, drafts = jax.tree.map(lambda x: one(x, 0), (pool.tokens, pool.keys, pool.sampling,
-                                                                                 pool.drafts))
-            return Pool(cache=cache_rows(pool.cache), tokens=tokens, keys=keys, sampling=sampling,
-                        mtp_cache=cache_rows(pool.mtp_cache), drafts=drafts)
-
-        self._prefill = jax.jit(prefill, donate_argnums=(1,), static_argnames=("kv_len", "top_k", "prompt_top_k"))
-        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("rows", "kv_len", "max_steps", "top_k"))
-        self._verify = jax.jit(verify, donate_argnums=(1,), static_argnames=("rows", "kv_len", "top_k"))
-        self._swap = jax.jit(swap, donate_argnums=(0,))
-
-    def prefill(self, pool, *args, kv_len, top_k, prompt_top_k, position_ids=None, image_embeds=None):
-        kind = "prefill" if image_embeds is None else "prefill_images"
-        self._note((kind, args[1].shape, kv_len, top_k, prompt_top_k))
-        return self._prefill(self.leaves, pool, *args, position_ids, image_embeds, kv_len=kv_len, top_k=top_k,
-                             prompt_top_k=prompt_top_k)
-
-    def decode(self, pool, active, steps, *, rows, kv_len, max_steps, top_k):
-        self._note(("decode", rows, kv_len, max_steps, top_k))
-        return self._decode(self.leaves, pool, active, steps, rows=rows, kv_len=kv_len, max_steps=max_steps,
-                            top_k=top_k)
-
-    def verify(self, pool, active, *, rows, kv_len, top_k):
-        self._note(("verify", rows, kv_len, top_k))
-        return self._verify(self.leaves, pool, active, rows=rows, kv_len=kv_len, top_k=top_k)
-
-    def swap(self, pool, a: int, b: int):
-        self._note(("swap",))
-        return self._swap(pool, jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
-
-
-def _no_logprobs(tokens):
-    empty = jnp.zeros((*tokens.shape, 0), jnp.float32)  # float32 named: a bare zeros is float64 under x64
-    return jnp.zeros(tokens.shape, jnp.float32), empty.astype(jnp.int32), empty
-
-
-PROMPT_CHUNK = 64  # prompt positions whose [P, chunk, vocab] logits exist at once
-
-
-def _prompt_logprobs(model, hidden, targets, k: int):
-    """log p(targets[t]) given the prefix through t, and the top-k, for every position: ``hidden [P, T, H]``
-    (post-norm), ``targets [P, T]`` → ``[P, T]``, ``[P, T, k]`` ids, ``[P, T, k]`` log p. Logits are made
-    :data:`PROMPT_CHUNK` positions at a time."""
-    p, t, h = hidden.shape
-    pad = (-t) % PROMPT_CHUNK
-    hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-    ts = jnp.pad(targets, ((0, 0), (0, pad)))
-    n = (t + pad) // PROMPT_CHUNK
-    hs = hs.reshape(p, n, PROMPT_CHUNK, h).swapaxes(0, 1)
-    ts = ts.reshape(p, n, PROMPT_CHUNK).swapaxes(0, 1)
-
-    def one(args):
-        hc, tc = args
-        return token_logprobs(model.logits_from_hidden(hc), tc, k)
-
-    lp, ids, top = jax.lax.map(one, (hs, ts))
-    undo = lambda a: a.swapaxes(0, 1).reshape(p, n * PROMPT_CHUNK, *a.shape[3:])[:, :t]  # noqa: E731
-    return undo(lp), undo(ids), undo(top)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------------------------------
 WAITING, PREFILL, DECODE = "waiting", "prefill", "decode"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one request: compared by identity
 class _Seq:
     request_id: str
     prompt: list[int]
     params: SamplingParams
     callback: Callable[[RequestOutput], None]
     stop_ids: frozenset
-    key_data: np.ndarray  # [2] uint32
+    key_data: np.ndarray  # [2] uint32: the seed's key
     arrival: float
     state: str = WAITING
     slot: int = -1
-    cursor: int = 0  # prompt tokens prefilled
+    cursor: int = 0  # tokens of `fill` prefilled
     output: list[int] = dataclasses.field(default_factory=list)
     prompt_logprobs: list | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     images: ImageInput | None = None
     image_before: np.ndarray | None = None  # [T + 1]: image tokens in prompt[:i] (a chunk's first feature row)
+    # what prefill runs over: the prompt, or after a rewind (module docstring, "Failures") the prompt and the tokens
+    # emitted; from the key `key_data` split `fill_draws` times; `expect`: the token the replay must draw again
+    fill: list[int] | None = None
+    fill_key: np.ndarray | None = None  # [2] uint32; None: key_data
+    fill_draws: int = 0
+    expect: int | None = None
+    draws: int = 0  # splits of the row's device key so far (one per drawn token; with speculation, per round)
+    counted: int = 0  # prompt tokens reported to the metrics (a replay does not count them again)
+    suspect: str | None = None  # "prefill" / "decode": a failed call's kind it must pass alone before batching again
+    failures: int = 0  # failed device calls it was part of
+
+    def __post_init__(self):
+        if self.fill is None:
+            self.fill = self.prompt
+
+
+class _Chunk(NamedTuple):
+    """One sequence's part of a prefill call, as host values (made per sequence: a failure is its own)."""
+
+    seq: _Seq
+    n: int  # tokens
+    ids: np.ndarray  # [n] int32
+    targets: np.ndarray  # [n] int32, [n - 1] in the last chunk: the token after each
+    key: np.ndarray  # [2] uint32: the row's key when it starts
+    sampling: tuple  # (do_sample, temperature, top_k, top_p)
+    reset: bool  # the row starts here
+    final: bool  # the fill ends here: the row draws a token
+    prompt_lp: bool  # prompt log-probabilities wanted
+    top_lp: bool  # the drawn token's log-probabilities wanted
 
 
 def bucket(n: int, lo: int, hi: int, factor: int = 2) -> int:
@@ -486,7 +235,7 @@ class Engine:
                               "no mtp.* weights")
         if self.k and model.mesh_plan is not None:
             raise EngineError("speculative decoding runs on one device; serve without a mesh or without it")
-        self._programs = _Programs(model, self.compiled.add, self.k)
+        self._programs = Programs(model, self.compiled.add, self.k)
         # what speculation did since the engine started (every row's verify rounds); None without it
         self.speculation = SpeculativeStats(num_speculative_tokens=self.k) if self.k else None
         b = config.max_num_seqs
@@ -574,11 +323,14 @@ class Engine:
         :class:`ImageInput` of an image prompt (``prompt_ids`` then is the expanded prompt :func:`encode_images`
         returned). Raises :class:`EngineError` for a request that cannot be served (the message names the field and
         the numbers)."""
-        prompt = [int(t) for t in prompt_ids]
+        if not callable(callback):
+            raise EngineError(f"callback: must be callable, got {type(callback).__name__}")
+        prompt = prompt_ids if isinstance(prompt_ids, np.ndarray) else list(prompt_ids)
         self.validate(prompt, params, images)
+        prompt = [int(t) for t in prompt]
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
-        key_data = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+        key_data = seed_key_data(seed)
         seq = _Seq(request_id=request_id, prompt=prompt, params=params, callback=callback,
                    stop_ids=frozenset(int(t) for t in stop), key_data=key_data, arrival=time.monotonic())
         if images is not None:
@@ -588,16 +340,18 @@ class Engine:
         self._wake.set()
 
     def validate(self, prompt: Sequence[int], params: SamplingParams, images: ImageInput | None = None) -> None:
-        params.check(self.config.max_logprobs)
-        if not prompt:
-            raise EngineError("prompt: empty (at least one token is needed)")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        """Raise :class:`EngineError` for a request this engine cannot serve: every value that reaches the device
+        is checked against its range here (:mod:`qjax.serving.requests`), its types too."""
+        if not isinstance(params, SamplingParams):
+            raise EngineError(f"params: must be a SamplingParams, got {type(params).__name__}")
+        params.check(self.config.max_logprobs, self.vocab_size)
+        check_prompt(prompt, self.vocab_size)
         if len(prompt) + params.max_tokens > self.config.max_model_len:
             raise EngineError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
                               f"{len(prompt) + params.max_tokens} exceeds max_model_len {self.config.max_model_len}")
         if images is not None:
+            if not isinstance(images, ImageInput):
+                raise EngineError(f"images: must be an ImageInput (encode_images), got {type(images).__name__}")
             self._validate_images(prompt, images)
 
     def _validate_images(self, prompt: Sequence[int], images: ImageInput) -> None:
@@ -659,11 +413,17 @@ class Engine:
                 continue
             try:
                 self.step()
-            except Exception:  # a bug: fail every request loudly rather than hang their clients
-                logger.exception("engine step failed; aborting all requests")
+            except Exception as e:
+                # a failure no request could be blamed for (each request's own work and each device call are caught
+                # inside step): fail every request loudly rather than hang their clients
+                logger.exception("engine step failed; ending all requests")
+                message = f"the engine failed ({_summary(e)}); every request in it was ended"
                 for seq in list(self._seqs.values()):
-                    self._emit(seq, [], [], "abort")
-                self.pool = self._new_pool()
+                    self._emit(seq, [], [], "error", error=message)
+                try:
+                    self.pool = self._new_pool()
+                except Exception:
+                    logger.exception("the slot pool cannot be made again")
 
     def shutdown(self, *, abort: bool = True, timeout: float | None = None) -> None:
         """Stop the loop thread; ``abort``: end every unfinished request with ``abort`` first (else let them run
@@ -712,6 +472,7 @@ class Engine:
             if out.prompt_logprobs is not None:
                 acc.prompt_logprobs = out.prompt_logprobs
             acc.finished, acc.finish_reason, acc.stop_reason = out.finished, out.finish_reason, out.stop_reason
+            acc.error = out.error
 
         ids = [f"generate-{secrets.token_hex(6)}-{i}" for i in range(len(prompts))]
         images = [None] * len(prompts) if images is None else list(images)
@@ -776,24 +537,33 @@ class Engine:
         cap = self.config.slots_per_row
         return bucket(n, min(MIN_KV_BUCKET, cap), cap)
 
-    def _prefill(self) -> bool:
+    def _prefill(self) -> None:
         todo = sorted(self._prefilling(), key=lambda s: s.arrival)
-        if not todo:
-            return False
+        suspect = next((s for s in todo if s.suspect), None)
+        if suspect is not None:
+            todo = [suspect]  # it runs alone until a call of its passes (_call_failed)
         budget = self.config.max_num_batched_tokens
-        chunks: list[tuple[_Seq, int]] = []
+        picked: list[tuple[_Seq, int]] = []
         for seq in todo:
             if budget <= 0:
                 break
-            n = min(len(seq.prompt) - seq.cursor, budget)
-            chunks.append((seq, n))
+            n = min(len(seq.fill) - seq.cursor, budget)
+            picked.append((seq, n))
             budget -= n
-        t = self._chunk_bucket(max(n for _, n in chunks))
+        if not picked:
+            return
+        t = self._chunk_bucket(max(n for _, n in picked))
         most = self._prefill_rows(t)
-        chunks = chunks[:most]  # the rest wait for the next step
+        chunks = []
+        for seq, n in picked[:most]:  # the rest wait for the next step
+            try:  # each row's host values, per sequence: one that cannot be made fails alone
+                chunks.append(self._prefill_chunk(seq, n))
+            except Exception as e:
+                self._fail(seq, "prefill", e)
+        if not chunks:
+            return
         p = self._round_rows(bucket(len(chunks), 1, most))
-        b = self.config.max_num_seqs
-        rows = np.full(p, b, np.int32)
+        rows = np.full(p, self.config.max_num_seqs, np.int32)
         ids = np.zeros((p, t), np.int32)
         targets = np.zeros((p, t), np.int32)
         n_arr = np.zeros(p, np.int32)
@@ -801,148 +571,222 @@ class Engine:
         final = np.zeros(p, bool)
         key_data = np.zeros((p, 2), np.uint32)
         do_sample, temperature, top_k, top_p = np.zeros(p, bool), np.ones(p), np.zeros(p, np.int64), np.ones(p)
-        end = 0
-        want_prompt = want_top = None
-        for i, (seq, n) in enumerate(chunks):
-            sp = seq.params
-            rows[i] = seq.slot
-            ids[i, :n] = seq.prompt[seq.cursor:seq.cursor + n]
-            nxt = seq.prompt[seq.cursor + 1:seq.cursor + n + 1]
-            targets[i, :len(nxt)] = nxt
-            n_arr[i] = n
-            reset[i] = seq.cursor == 0
-            final[i] = seq.cursor + n == len(seq.prompt)
-            key_data[i] = seq.key_data
-            do_sample[i], temperature[i] = not sp.greedy, (1.0 if sp.greedy else sp.temperature)
-            top_k[i], top_p[i] = max(sp.top_k, 0), sp.top_p
-            end = max(end, seq.cursor + n)
-            if sp.prompt_logprobs is not None:
-                want_prompt = self.config.max_logprobs
-            if sp.logprobs is not None:
-                want_top = self.config.max_logprobs
-        sampling = SamplingArrays.make(do_sample, temperature, top_k, top_p)
-        extra = {}
-        if any(seq.images is not None for seq, _ in chunks):
-            position_ids, image_embeds = self._image_arrays(chunks, ids.shape)
-            extra = dict(position_ids=jnp.asarray(position_ids), image_embeds=jnp.asarray(image_embeds))
-        self.pool, tok, lp, prompt = self._programs.prefill(
-            self.pool, jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(n_arr), jnp.asarray(reset),
-            jnp.asarray(final), jnp.asarray(key_data), sampling, jnp.asarray(targets), kv_len=self._kv_bucket(end),
-            top_k=want_top, prompt_top_k=want_prompt, **extra)
-        tok, lp = np.asarray(tok), jax.tree.map(np.asarray, lp)
-        prompt = None if prompt is None else jax.tree.map(np.asarray, prompt)
+        for i, c in enumerate(chunks):
+            rows[i], n_arr[i], reset[i], final[i], key_data[i] = c.seq.slot, c.n, c.reset, c.final, c.key
+            ids[i, :c.n] = c.ids
+            targets[i, :len(c.targets)] = c.targets
+            do_sample[i], temperature[i], top_k[i], top_p[i] = c.sampling
+        end = max(c.seq.cursor + c.n for c in chunks)
+        want_prompt = self.config.max_logprobs if any(c.prompt_lp for c in chunks) else None
+        want_top = self.config.max_logprobs if any(c.top_lp for c in chunks) else None
+        seqs = [c.seq for c in chunks]
+        try:
+            extra = {}
+            if any(seq.images is not None for seq in seqs):
+                position_ids, image_embeds = self._image_arrays(chunks, ids.shape)
+                extra = dict(position_ids=jnp.asarray(position_ids), image_embeds=jnp.asarray(image_embeds))
+            pool, tok, lp, prompt = self._programs.prefill(
+                self.pool, jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(n_arr), jnp.asarray(reset),
+                jnp.asarray(final), jnp.asarray(key_data), SamplingArrays.make(do_sample, temperature, top_k, top_p),
+                jnp.asarray(targets), kv_len=self._kv_bucket(end), top_k=want_top, prompt_top_k=want_prompt, **extra)
+            tok, lp = np.asarray(tok), jax.tree.map(np.asarray, lp)  # a failure on the device shows here at last
+            prompt = None if prompt is None else jax.tree.map(np.asarray, prompt)
+        except Exception as e:
+            self._call_failed("prefill", seqs, e)
+            return
+        self.pool = pool
         now = time.monotonic()
-        for i, (seq, n) in enumerate(chunks):
-            if seq.params.prompt_logprobs is not None:
-                if seq.prompt_logprobs is None:
-                    seq.prompt_logprobs = [None]
-                k = seq.params.prompt_logprobs
-                last = n - (1 if final[i] else 0)  # the chunk's last position predicts the next chunk's first token
-                seq.prompt_logprobs += [_logprob(targets[i, j], prompt[0][i, j], prompt[1][i, j], prompt[2][i, j], k)
-                                        for j in range(last)]
-            seq.cursor += n
-            self.metrics.prompt_tokens(n)
-            if final[i]:
-                seq.state = DECODE
-                seq.first_token_time = now
-                self.metrics.first_token(now - seq.arrival)
-                if seq.params.max_tokens == 0:  # echo-only request: the prompt's log-probabilities, no output
-                    self._emit(seq, [], [], "length")
-                    continue
-                self._accept(seq, [int(tok[i])], [_logprob(tok[i], lp[0][i], lp[1][i], lp[2][i], seq.params.logprobs)])
-        return True
+        for i, c in enumerate(chunks):
+            try:
+                self._prefilled(c, tok[i], [x[i] for x in lp], None if prompt is None else [x[i] for x in prompt], now)
+            except Exception as e:
+                self._fail(c.seq, "prefill", e)
 
-    def _image_arrays(self, chunks: list[tuple[_Seq, int]], shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    def _prefill_chunk(self, seq: _Seq, n: int) -> _Chunk:
+        c, sp = seq.cursor, seq.params
+        greedy = bool(sp.greedy)
+        k = int(sp.top_k)
+        key = seq.key_data if seq.fill_key is None else seq.fill_key
+        return _Chunk(seq, n, np.asarray(seq.fill[c:c + n], np.int32), np.asarray(seq.fill[c + 1:c + n + 1], np.int32),
+                      np.asarray(key, np.uint32).reshape(2),
+                      # top-k past the vocabulary means every token (vLLM): off, before it meets an int32
+                      (not greedy, 1.0 if greedy else float(sp.temperature), k if 0 < k < self.vocab_size else 0,
+                       float(sp.top_p)),
+                      c == 0, c + n == len(seq.fill),
+                      # prompt log-probabilities go out once, with the first output: a replay after it makes none
+                      sp.prompt_logprobs is not None and not seq.output, sp.logprobs is not None)
+
+    def _prefilled(self, c: _Chunk, tok, lp: list, prompt: list | None, now: float) -> None:
+        """One sequence's part of a prefill call's results: ``tok`` its drawn token, ``lp`` its row of the token's
+        log-probabilities, ``prompt`` its rows of the prompt's (or None)."""
+        seq, n = c.seq, c.n
+        if c.prompt_lp:
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None]
+            k = seq.params.prompt_logprobs
+            last = n - (1 if c.final else 0)  # the chunk's last position predicts the next chunk's first token
+            seq.prompt_logprobs += [_logprob(c.targets[j], prompt[0][j], prompt[1][j], prompt[2][j], k)
+                                    for j in range(last)]
+        seq.cursor += n
+        new = min(seq.cursor, len(seq.prompt)) - seq.counted  # a replay's prompt tokens were counted before
+        if new > 0:
+            self.metrics.prompt_tokens(new)
+            seq.counted += new
+        if seq.suspect == "prefill":
+            seq.suspect = None  # it ran alone and passed
+        if not c.final:
+            return
+        seq.state = DECODE
+        if seq.expect is not None:  # a replay: the row must draw again the token it emitted last
+            if int(tok) != seq.expect:
+                logger.warning("request %s: its replay drew %d where it had emitted %d; it goes on from the emitted "
+                               "tokens", seq.request_id, int(tok), seq.expect)
+                self._rewind(seq, replay_last=False)
+                return
+            seq.expect, seq.draws = None, seq.fill_draws + 1
+            return
+        seq.draws = seq.fill_draws + 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.first_token(now - seq.arrival)
+        if seq.params.max_tokens == 0:  # echo-only request: the prompt's log-probabilities, no output
+            self._emit(seq, [], [], "length")
+            return
+        self._accept(seq, [int(tok)], [_logprob(tok, lp[0], lp[1], lp[2], seq.params.logprobs)])
+
+    def _image_arrays(self, chunks: list[_Chunk], shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """The image variant's extra inputs for a prefill call of ``shape`` ``(P, T)``: ``position_ids [3, P, T]``
         (an image request's rows sliced from its prompt's M-RoPE rows, a text request's ``cursor + arange``, 0 at
         padding) and ``image_embeds [P·T, H]``: the features of the call's image tokens in row-major order of the
         ids — each chunk's from the count of image tokens its earlier chunks consumed — then zero rows (one shape
         per prefill bucket, so one more compiled program per bucket at most). A text request's own image-token ids
-        (a raw prompt may hold them) get that token's embedding, what the text program gives them."""
+        (a raw prompt may hold them) get that token's embedding, what the text program gives them; so do the tokens
+        an image request replays past its prompt (module docstring, "Failures"), at text positions after its
+        prompt's largest."""
         p, t = shape
         position_ids = np.zeros((3, p, t), np.int32)
         parts = []
-        for i, (seq, n) in enumerate(chunks):
-            c = seq.cursor
-            if seq.images is not None:
-                position_ids[:, i, :n] = seq.images.position_ids[:, c:c + n]
-                parts.append(seq.images.embeds[int(seq.image_before[c]):int(seq.image_before[c + n])])
+        for i, ch in enumerate(chunks):
+            seq, c, n = ch.seq, ch.seq.cursor, ch.n
+            end = 0 if seq.images is None else len(seq.prompt)  # the image prompt's tokens, then text
+            m = min(max(end - c, 0), n)
+            if m:
+                position_ids[:, i, :m] = seq.images.position_ids[:, c:c + m]
+                parts.append(seq.images.embeds[int(seq.image_before[c]):int(seq.image_before[c + m])])
+            if m == n:
                 continue
-            position_ids[:, i, :n] = c + np.arange(n, dtype=np.int32)
-            k = self._image_token is not None and sum(1 for x in seq.prompt[c:c + n] if x == self._image_token)
+            top = 0 if seq.images is None else int(seq.images.position_ids.max()) + 1
+            position_ids[:, i, m:n] = top + np.arange(c + m - end, c + n - end, dtype=np.int32)
+            k = self._image_token is not None and sum(1 for x in seq.fill[c + m:c + n] if x == self._image_token)
             if k:
                 if self._placeholder_row is None:
                     row = self.model.embed(jnp.asarray([[self._image_token]], jnp.int32))
                     self._placeholder_row = np.asarray(row)[0]
                 parts.append(np.repeat(self._placeholder_row, k, axis=0))
-        dtype = next(x.dtype for x in parts)
+        dtype = next(ch.seq.images.embeds.dtype for ch in chunks if ch.seq.images is not None)
         image_embeds = np.zeros((p * t, self.model.config.hidden_size), dtype)
         used = sum(len(x) for x in parts)
         if used:
             image_embeds[:used] = np.concatenate(parts)
         return position_ids, image_embeds
 
-    def _pack(self) -> None:
+    def _pack(self) -> bool:
         """Keep the decoding sequences in slots ``0 … n-1`` (the decode program reads a prefix of the pool's rows
         in place): move any decoding sequence above that range into the lowest slot in it that is free or held by a
-        prefilling sequence (the two rows swap, states and all)."""
+        prefilling sequence (the two rows swap, states and all). False when a swap failed (_call_failed)."""
         decoding = [s for s in self._slots if s is not None and s.state == DECODE]
         n = len(decoding)
         for seq in sorted((s for s in decoding if s.slot >= n), key=lambda s: s.slot):
             hole = next(i for i in range(n) if self._slots[i] is None or self._slots[i].state != DECODE)
             other = self._slots[hole]
-            self.pool = self._programs.swap(self.pool, seq.slot, hole)
+            try:
+                self.pool = self._programs.swap(self.pool, seq.slot, hole)
+            except Exception as e:
+                self._call_failed("swap", [seq] + ([other] if other is not None else []), e)
+                return False
             self._slots[hole], self._slots[seq.slot] = seq, other
             if other is not None:
                 other.slot = seq.slot
             seq.slot = hole
+        return True
 
     def _decode(self, max_steps: int) -> None:
-        self._pack()
         running = [s for s in self._slots if s is not None and s.state == DECODE]
-        if not running:
+        suspect = next((s for s in running if s.suspect), None)
+        if suspect is not None:
+            # it decodes alone, one token, until a call of its passes (_call_failed); its row stays where it is: the
+            # call reads the rows up to it, the others masked out (they wait)
+            running, max_steps = [suspect], 1
+        # (seq, tokens it may still produce, its length, logprobs wanted), per sequence: a failure is its own
+        plans = []
+        for s in running:
+            try:
+                plans.append((s, s.params.max_tokens - len(s.output), len(s.prompt) + len(s.output),
+                              s.params.logprobs is not None))
+            except Exception as e:
+                self._fail(s, "decode", e)
+        if not plans or (suspect is None and not self._pack()):
             return
+        running = [s for s, *_ in plans]
         b = self.config.max_num_seqs
-        size = min(self._round_rows(bucket(len(running), 1, b)), b)
+        size = min(self._round_rows(bucket(max(s.slot for s in running) + 1, 1, b)), b)
         active = np.zeros(size, bool)
         active[[s.slot for s in running]] = True  # rows past the running ones (free or prefilling) are masked out
+        longest = max(n for _, _, n, _ in plans)
+        # log-probabilities (a log-softmax and a top-k over the vocabulary per step) only when someone asks
+        want = self.config.max_logprobs if any(w for *_, w in plans) else None
         if self.k:
-            self._verify(running, size, active)
+            self._verify(running, size, active, longest, want)
             return
         # no row gets more tokens than it may still produce, so none writes past its cache row
-        steps = max(1, min(max_steps, *(s.params.max_tokens - len(s.output) for s in running)))
-        longest = max(len(s.prompt) + len(s.output) for s in running) + steps
-        # log-probabilities (a log-softmax and a top-k over the vocabulary per step) only when someone asks
-        want = any(s.params.logprobs is not None for s in running)
-        self.pool, (toks, lps, top_ids, top_lps) = self._programs.decode(
-            self.pool, jnp.asarray(active), jnp.asarray(steps, jnp.int32), rows=None if size >= b else size,
-            kv_len=self._kv_bucket(longest), max_steps=self.config.decode_steps,
-            top_k=self.config.max_logprobs if want else None)
-        toks, lps, top_ids, top_lps = (np.asarray(x) for x in (toks, lps, top_ids, top_lps))
+        steps = max(1, min(max_steps, *(r for _, r, _, _ in plans)))
+        try:
+            pool, out = self._programs.decode(
+                self.pool, jnp.asarray(active), jnp.asarray(steps, jnp.int32), rows=None if size >= b else size,
+                kv_len=self._kv_bucket(longest + steps), max_steps=self.config.decode_steps, top_k=want)
+            toks, lps, top_ids, top_lps = (np.asarray(x) for x in out)
+        except Exception as e:
+            self._call_failed("decode", running, e)
+            return
+        self.pool = pool
         for seq in running:
-            i = seq.slot
-            lp = [_logprob(toks[j, i], lps[j, i], top_ids[j, i], top_lps[j, i], seq.params.logprobs)
-                  for j in range(steps)]
-            self._accept(seq, [int(t) for t in toks[:steps, i]], lp)
+            try:
+                i = seq.slot
+                seq.draws += steps
+                seq.suspect = None  # a suspect ran alone and passed
+                lp = [_logprob(toks[j, i], lps[j, i], top_ids[j, i], top_lps[j, i], seq.params.logprobs)
+                      for j in range(steps)]
+                self._accept(seq, [int(t) for t in toks[:steps, i]], lp)
+            except Exception as e:
+                self._fail(seq, "decode", e)
 
-    def _verify(self, running: list[_Seq], size: int, active: np.ndarray) -> None:
-        """One verify round (module docstring) for the running sequences, the first ``size`` rows."""
+    def _verify(self, running: list[_Seq], size: int, active: np.ndarray, longest: int, want: int | None) -> None:
+        """One verify round (module docstring) for the running sequences, the first ``size`` rows; ``longest``: the
+        longest of their lengths; ``want``: the top log-probabilities to make (None: none)."""
         b, k = self.config.max_num_seqs, self.k
-        # a round writes k + 1 slots past a row's length and the head k − 1 more (EngineConfig.slots_per_row)
-        longest = max(len(s.prompt) + len(s.output) for s in running) + 2 * k
-        want = any(s.params.logprobs is not None for s in running)
-        self.pool, toks, consumed, (lps, top_ids, top_lps) = self._programs.verify(
-            self.pool, jnp.asarray(active), rows=None if size >= b else size, kv_len=self._kv_bucket(longest),
-            top_k=self.config.max_logprobs if want else None)
-        toks, consumed, lps, top_ids, top_lps = (np.asarray(x) for x in (toks, consumed, lps, top_ids, top_lps))
+        try:
+            # a round writes k + 1 slots past a row's length and the head k − 1 more (EngineConfig.slots_per_row)
+            pool, toks, consumed, lps = self._programs.verify(
+                self.pool, jnp.asarray(active), rows=None if size >= b else size,
+                kv_len=self._kv_bucket(longest + 2 * k), top_k=want)
+            toks, consumed, (lps, top_ids, top_lps) = np.asarray(toks), np.asarray(consumed), map(np.asarray, lps)
+        except Exception as e:
+            self._call_failed("verify", running, e)
+            return
+        self.pool = pool
         self.speculation.rounds += 1
         for seq in running:
-            i, n = seq.slot, int(consumed[seq.slot])
-            self.speculation.record(n)
-            self.metrics.speculated(k, n - 1)
-            lp = [_logprob(toks[i, j], lps[i, j], top_ids[i, j], top_lps[i, j], seq.params.logprobs)
-                  for j in range(n)]
-            self._accept(seq, [int(t) for t in toks[i, :n]], lp)
+            try:
+                i, n = seq.slot, int(consumed[seq.slot])
+                seq.draws += 1  # a round splits the row's key once
+                seq.suspect = None
+                self.speculation.record(n)
+                self.metrics.speculated(k, n - 1)
+                lp = [_logprob(toks[i, j], lps[i, j], top_ids[i, j], top_lps[i, j], seq.params.logprobs)
+                      for j in range(n)]
+                self._accept(seq, [int(t) for t in toks[i, :n]], lp)
+            except Exception as e:
+                self._fail(seq, "verify", e)
 
     def _accept(self, seq: _Seq, tokens: list[int], logprobs: list) -> None:
         """Append decoded tokens up to the first stop token or the length limit and emit them (finished when
@@ -967,7 +811,7 @@ class Engine:
         self._emit(seq, take, logprobs[:len(take)], reason, stop_reason)
 
     def _emit(self, seq: _Seq, tokens: list[int], logprobs: list, reason: str | None = None,
-              stop_reason: int | None = None) -> None:
+              stop_reason: int | None = None, error: str | None = None) -> None:
         """Send the request its new output; with ``reason`` it is finished and its slot is free at once."""
         if reason is not None:
             if seq.slot >= 0 and self._slots[seq.slot] is seq:
@@ -977,14 +821,64 @@ class Engine:
             self._seqs.pop(seq.request_id, None)
             self.metrics.finished(reason, time.monotonic() - seq.arrival)
         prompt_lp, seq.prompt_logprobs = seq.prompt_logprobs, None
-        out = RequestOutput(seq.request_id, tokens, logprobs if seq.params.logprobs is not None else None, prompt_lp,
-                            reason is not None, reason, stop_reason)
+        out = RequestOutput(seq.request_id, tokens, logprobs if seq.params.logprobs is not None else None,
+                            None if error else prompt_lp, reason is not None, reason, stop_reason, error)
         try:
             seq.callback(out)
         except Exception:  # a consumer's failure is its own: the other requests keep running
             logger.exception("output callback of request %s failed; aborting it", seq.request_id)
             if reason is None:
                 self.abort(seq.request_id)
+
+    # -- failures (module docstring) ------------------------------------------------------------------------------
+    def _fail(self, seq: _Seq, where: str, exc: BaseException) -> None:
+        """End ``seq`` alone with an ``error`` output: its part of a ``where`` call failed."""
+        logger.error("request %s: its %s failed; ending it", seq.request_id, where, exc_info=exc)
+        if self._seqs.get(seq.request_id) is seq:
+            self._emit(seq, [], [], "error", error=f"the engine could not run this request: its {where} failed "
+                                                   f"({_summary(exc)})")
+
+    def _call_failed(self, kind: str, seqs: list[_Seq], exc: BaseException) -> None:
+        """A ``kind`` device call for ``seqs`` raised. A sequence that ran it alone, or that was in
+        :data:`MAX_CALL_FAILURES` failed calls, is ended with an error; the others become suspects, each running its
+        next calls alone until one passes. A call that took the pool (donated) leaves a new pool and every sequence in
+        a slot rewound onto it."""
+        logger.error("%s call for %d requests failed", kind, len(seqs), exc_info=exc)
+        seqs = [s for s in seqs if self._seqs.get(s.request_id) is s]
+        for s in seqs:
+            s.failures += 1
+            if len(seqs) == 1 or s.failures >= MAX_CALL_FAILURES:
+                self._fail(s, f"{kind} call", exc)
+            else:
+                s.suspect = "prefill" if kind == "prefill" else "decode"
+        if any(x.is_deleted() for x in jax.tree.leaves(self.pool)):
+            self.pool = self._new_pool()
+            for s in self._slots:
+                if s is not None:
+                    self._rewind(s)
+
+    def _rewind(self, seq: _Seq, replay_last: bool = True) -> None:
+        """Start ``seq``'s row over: prefill runs again over its prompt and the tokens it emitted, from its key as it
+        was then, and emits none of them again. With ``replay_last`` (and the last token drawn as decoding draws it,
+        or greedily) the last emitted token is drawn again and checked; else every emitted token is context and the
+        next one is new."""
+        seq.state, seq.cursor = PREFILL, 0
+        if not seq.output:
+            seq.fill, seq.fill_key, seq.fill_draws, seq.expect = seq.prompt, None, 0, None
+            seq.prompt_logprobs = None  # not sent yet: made again
+            return
+        again = replay_last and (not self.k or seq.params.greedy)  # a verify round draws otherwise
+        seq.fill_draws = seq.draws - 1 if again else seq.draws
+        seq.fill = seq.prompt + (seq.output[:-1] if again else seq.output)
+        seq.expect = seq.output[-1] if again else None
+        seq.fill_key = kept_key_data(seq.key_data, seq.fill_draws)
+
+
+def _summary(exc: BaseException) -> str:
+    """``Type: the first line of the message`` (at most 200 characters): what a client is told of a failure."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= 200 else text[:199] + "…"
 
 
 def _logprob(token, lp, top_ids, top_lps, k: int | None) -> TokenLogprob | None:

@@ -13,11 +13,11 @@ import dataclasses
 import math
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .engine import RequestOutput, SamplingParams, TokenLogprob
+from .requests import TOP_K_MAX, RequestOutput, SamplingParams, TokenLogprob
 
 # vLLM answers a -inf log-probability with this number (JSON has no infinity)
 NEG_INF_LOGPROB = -9999.0
@@ -38,54 +38,134 @@ class ApiError(Exception):
 
 
 def validation_message(e: ValidationError) -> str:
-    """One line per field, e.g. ``max_tokens: Input should be a valid integer``."""
+    """One entry per field, e.g. ``max_tokens: Input should be a valid integer``, at most five. A field of several
+    accepted shapes (``prompt``: a string, strings, token ids or lists of token ids) reports the error of the shape
+    the value got furthest in (``prompt[0][1]: Input should be greater than or equal to 0``), or, when it matches
+    none at all, the shapes it may take."""
+    groups: dict[tuple, list[tuple[tuple, str | None, str]]] = {}
+    for err in e.errors():
+        loc = tuple(x for x in err.get("loc", ()) if x != "body")
+        cut = next((i for i, x in enumerate(loc) if _is_branch(x)), None)
+        key = loc if cut is None else loc[:cut]
+        rest = () if cut is None else tuple(x for x in loc[cut + 1:] if not _is_branch(x))
+        groups.setdefault(key, []).append((rest, None if cut is None else loc[cut], err.get("msg", "invalid")))
     parts = []
-    for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body",)) or "body"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts)
+    for key, errs in groups.items():
+        branches: dict[str | None, list] = {}
+        for err in errs:
+            branches.setdefault(err[1], []).append(err)
+        # the closest shape: its errors reach deepest into the value, and there are fewest of them
+        rank = {b: (max(len(r) for r, _, _ in es), -len(es)) for b, es in branches.items()}
+        best = max(rank.values())
+        closest = [b for b, r in rank.items() if r == best]
+        if len(closest) == 1:
+            rest, _, msg = max(branches[closest[0]], key=lambda x: len(x[0]))
+            parts.append(f"{_path(key + rest)}: {msg}")
+        else:
+            shapes = list(dict.fromkeys(_shape(b) for b in branches if b is not None))
+            parts.append(f"{_path(key)}: must be {', '.join(shapes[:-1])} or {shapes[-1]}")
+    return "; ".join(parts[:5])
+
+
+def _is_branch(x) -> bool:
+    """Whether a pydantic error location element names a union's branch (``str``, ``list[constrained-int]``,
+    ``StreamOptions``) rather than a field or an index."""
+    return isinstance(x, str) and ("[" in x or "-" in x or x in ("str", "int", "float", "bool", "none", "dict")
+                                   or x[:1].isupper())
+
+
+def _shape(branch: str) -> str:
+    """Words for a union branch: ``list[constrained-int]`` → ``a list of integers``."""
+    words = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false", "none": "null",
+             "dict[str,any]": "an object"}
+    b = branch.replace("constrained-", "")
+    depth = 0
+    while b.startswith("list[") and b.endswith("]"):
+        b, depth = b[5:-1], depth + 1
+    word = words.get(b, "an object" if b[:1].isupper() else b)
+    for _ in range(depth):
+        word = "a list of " + (word.split(" ", 1)[1] + "s" if not word.startswith("a list") else
+                               "lists" + word[len("a list"):])
+    return word
+
+
+def _path(loc) -> str:
+    """``messages[0].content`` from pydantic's ``("messages", 0, "content")``."""
+    out = ""
+    for x in loc:
+        out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
+    return out or "body"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # requests
 # ---------------------------------------------------------------------------------------------------------------------
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+# Ranges the request fields state in the server's OpenAPI schema (and pydantic enforces): every value that reaches the
+# device fits its array's dtype. The server's own limits (max_model_len, max_logprobs, the vocabulary) are checked
+# when the request is admitted and written into the schema it serves (qjax.serving.schema).
+INT32_MAX = (1 << 31) - 1  # a count or an id in an int32 array
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_STOP_STRINGS = 64  # stop strings per request (each is searched for after every token)
+MAX_STOP_CHARS = 4096  # characters per stop string
+MAX_CHOICES = 16  # n
 
-    model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int = Field(1, ge=1, le=16)
+# a field whose range is this server's own (qjax.serving.schema writes it in: the maximum of a number, the names a
+# string may take): the limit's name
+LIMIT_MARK = "x-qjax-limit"
+
+
+def _limit(name: str) -> dict:
+    return {"json_schema_extra": {LIMIT_MARK: name}}
+
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX, **_limit("max_token_id"))]
+LogprobCount = Annotated[int, Field(ge=0, le=INT32_MAX, **_limit("max_logprobs"))]
+TokenCount = Annotated[int, Field(ge=0, le=INT32_MAX, **_limit("max_model_len"))]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    """Fields typed as OpenAI documents them, without coercion (``"2"`` is not an integer, ``1`` is not a boolean);
+    unknown fields are accepted and ignored, as vLLM does (evaluation clients send extra keys)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class _Request(_Strict):
+    model: str | None = Field(None, **_limit("served_names"))
+    temperature: Number | None = Field(None, ge=0)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=TOP_K_MAX, description="-1 or 0: off; above the vocabulary: all tokens")
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
-    stream_options: dict | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stream_options: StreamOptions | None = None
+    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    user: str | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     # neutral values only: anything else would change the tokens and qjax does not implement it
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    logit_bias: dict | None = None
-    min_tokens: int | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        if isinstance(v, list) and any(not s for s in v):
-            raise ValueError("stop strings must not be empty")
-        return v
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    repetition_penalty: Number | None = Field(None, gt=0)
+    min_p: Number | None = Field(None, ge=0, le=1)
+    logit_bias: dict[str, Number] | None = None
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
 
     def stop_strings(self) -> list[str]:
         return [] if self.stop is None else ([self.stop] if isinstance(self.stop, str) else list(self.stop))
 
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_unsupported(self) -> None:
         neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
@@ -99,31 +179,102 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: TokenCount | None = 16
+    logprobs: LogprobCount | None = None
     echo: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: LogprobCount | None = None
     add_special_tokens: bool = True
     suffix: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    chat_template_kwargs: dict | None = None
+    top_logprobs: LogprobCount | None = None
+    chat_template: str | None = Field(None, description="refused unless the server runs with "
+                                                         "--trust-request-chat-template")
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    tools: list | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's ``/tokenize`` body for text."""
+
+    prompt: str
+    model: str | None = Field(None, **_limit("served_names"))
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[TokenId]
+    model: str | None = Field(None, **_limit("served_names"))
+
+
+# Variables apply_chat_template sets itself: a request's chat_template_kwargs may not replace them (vLLM refuses the
+# same); the template itself is its own field (chat_template) and needs --trust-request-chat-template.
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "conversation", "tokenize",
+                            "return_dict", "continue_final_message")
+
+
+def template_kwargs(req: ChatCompletionRequest, *, trust_templates: bool) -> tuple[str | None, dict]:
+    """The request's own chat template (None: the server's) and its template variables, checked: a request template
+    only when the server trusts them, no reserved variable, ``enable_thinking`` a boolean. An :class:`ApiError`
+    naming the field otherwise."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    template = req.chat_template
+    where = "chat_template"
+    if "chat_template" in kwargs:
+        if template is not None:
+            raise ApiError(400, "chat_template and chat_template_kwargs.chat_template: give the template once",
+                           param="chat_template")
+        template, where = kwargs.pop("chat_template"), "chat_template_kwargs.chat_template"
+    if template is not None:
+        if not trust_templates:
+            raise ApiError(400, f"{where}: this server does not run templates sent by clients (start it with "
+                                "--trust-request-chat-template to allow them)", param=where.split(".")[0])
+        if not isinstance(template, str):
+            raise ApiError(400, f"{where}: a string is required", param=where.split(".")[0])
+    for key in RESERVED_TEMPLATE_KWARGS:
+        if key in kwargs:
+            raise ApiError(400, f"chat_template_kwargs.{key}: set by the server (a request field where one exists); "
+                                "it cannot be a template variable", param="chat_template_kwargs")
+    thinking = kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise ApiError(400, f"chat_template_kwargs.enable_thinking: true or false is required, got "
+                            f"{type(thinking).__name__}", param="chat_template_kwargs")
+    return template, kwargs
+
+
+def unencodable(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string in a parsed JSON body that is not valid Unicode (a
+    lone surrogate such as ``"\\ud800"``: JSON can write it, UTF-8 cannot encode it), or None."""
+    stack = [(value, path)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return at or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if isinstance(k, str) and unencodable(k) is not None:
+                    return f"{at}.{k!a}" if at else ascii(k)
+                stack.append((x, f"{at}.{k}" if at else str(k)))
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,14 +389,15 @@ def sampling_params(req: _Request, defaults: Defaults, *, max_tokens: int, logpr
 
 
 def completion_prompts(req: CompletionRequest, encode) -> list[list[int]]:
-    """The request's prompts as token id lists (``encode(text) → ids``); an empty prompt is refused."""
+    """The request's prompts as token id lists (``encode(text, where) → ids``, ``where`` naming the request part:
+    ``prompt`` or ``prompt[i]``); an empty prompt is refused."""
     p = req.prompt
     if isinstance(p, str):
-        prompts = [encode(p)]
+        prompts = [encode(p, "prompt")]
     elif not p:
         raise ApiError(400, "prompt: empty", param="prompt")
     elif isinstance(p[0], str):
-        prompts = [encode(s) for s in p]
+        prompts = [encode(s, f"prompt[{i}]") for i, s in enumerate(p)]
     elif isinstance(p[0], int):
         prompts = [list(p)]
     else:
@@ -279,6 +431,7 @@ class TextAssembler:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # finish_reason "error": what the engine said
 
     @property
     def finished(self) -> bool:
@@ -304,6 +457,7 @@ class TextAssembler:
             if self.stops and self._cut(start):
                 return True
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            self.error = getattr(out, "error", None)
         return False
 
     def _cut(self, start: int) -> bool:
