@@ -8,7 +8,11 @@
 # checkout path change (stamp file), so a warm run skips pip entirely.
 #
 # Then: python -m qjax.kernels.aot_h200 --self-test   (a good tiling must compile, an oversized one must fail
-#       with RESOURCE_EXHAUSTED shared memory: proves the check can fail), and every case of every kernel module.
+#       with RESOURCE_EXHAUSTED shared memory: proves the check can fail), every case of every kernel module, and
+#       the decode gate (benchmarks/e2e_aot.py --gate): the full-size w2w4 decode loop compiled for the H100 and the
+#       H200, failing when launches per step, idle Pallas programs, host round trips per layer / per step or host ops
+#       per step rise above the one table of limits in that script (today's values: a ratchet), with the distance to
+#       the issue's target (≤ 400 launches, 0 idle, 0 round trips, one graph per step) printed on every run.
 # Exit status: non-zero on any failure.  Knobs: AOT_H200_PYTHON (a python3.12), AOT_H200_JOBS (compile threads).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,4 +58,7 @@ t_install=$((SECONDS - t_start))
 export JAX_PLATFORMS=cpu   # no GPU here: keeps the CUDA plugin from probing; deviceless compile still works
 "$VENV/bin/python" -m qjax.kernels.aot_h200 --self-test
 "$VENV/bin/python" -m qjax.kernels.aot_h200 --jobs "${AOT_H200_JOBS:-1}"
+t_gate=$SECONDS
+"$VENV/bin/python" benchmarks/e2e_aot.py --gate --targets h200,h100
+echo "aot_h200: decode gate $((SECONDS - t_gate))s"
 echo "aot_h200: OK (env ${t_install}s, total $((SECONDS - t_start))s)"

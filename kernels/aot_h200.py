@@ -27,10 +27,18 @@ The shared-memory figure is read from XLA's thunk dump (``xla_dump_to`` per comp
 ``plgpu.CompilerParams``) in two good tilings, which must compile, and one oversized tiling (bm 256 / bn 512 /
 bk 1024, 4 stages), which must fail with ``RESOURCE_EXHAUSTED`` shared memory.
 
-The target is ``h200.txtpb`` next to this file, a ``stream_executor.GpuTargetConfigProto`` text proto taken
-verbatim from the jax-cuda13-pjrt 0.12.0.1 wheel (the 0.11.2 plugin embeds none but accepts that file):
-``python -m qjax.kernels.aot_h200 --extract-target-config jax_cuda13_pjrt-0.12.0.1-….whl > kernels/h200.txtpb``
-regenerates it (see :func:`extract_target_config`).
+The target is ``h200.txtpb`` next to this file (``--target h200``, the default), a
+``stream_executor.GpuTargetConfigProto`` text proto taken verbatim from the jax-cuda13-pjrt 0.12.0.1 wheel (the
+0.11.2 plugin embeds none but accepts that file): ``python -m qjax.kernels.aot_h200 --extract-target-config
+jax_cuda13_pjrt-0.12.0.1-….whl > kernels/h200.txtpb`` regenerates it (see :func:`extract_target_config`);
+``--target h100`` takes ``h100.txtpb``, derived from it (its header says which fields differ).
+
+What a compiled decode step runs (``benchmarks/e2e_aot.py``'s decode gate reads it through these functions):
+:func:`step_structure` / :func:`dump_structure` read XLA's thunk dump — device launches per step, CUDA graphs
+(command buffers) and what stays outside them, host round trips (a while loop without a known trip count, or a
+conditional, outside a graph copies its predicate to the host every time) — and :func:`pallas_calls` reads each
+``pallas_call`` of the traced program: its grid and the programs of it that can do work (a layer guard's other
+programs exit at once: idle).
 """
 
 from __future__ import annotations
@@ -61,10 +69,17 @@ import jax.experimental.pallas.triton as plgpu
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jex_core
 
 KERNEL_MODULES = ("qjax.kernels.qmatmul_pallas", "qjax.kernels.moe_pallas", "qjax.kernels.gdn_pallas",
                   "qjax.runtime.bench")
-TARGET_CONFIG = Path(__file__).with_name("h200.txtpb")
+TARGETS = {"h200": Path(__file__).with_name("h200.txtpb"), "h100": Path(__file__).with_name("h100.txtpb")}
+TARGET_CONFIG = TARGETS["h200"]
+# The CUDA stack of the lent GPU image (jax 0.11.2 + jax-cuda13-plugin: CUDA 13 runtime and toolkit, a CUDA 13
+# driver). The target files carry XLA's own test machine's (runtime / toolkit 12.8), and XLA:GPU's command-buffer
+# pass decides by them: below CUDA 12.9 it leaves dynamic-slice copies out of CUDA graphs, which splits a decode
+# step into several graphs that the device would run as one. make_target(cuda=LENT_CUDA) compiles as for the image.
+LENT_CUDA = "13.0.0"
 PLUGIN_SO = "jax_plugins/xla_cuda13/xla_cuda_plugin.so"  # inside the jax-cuda13-pjrt wheel
 _SMEM_ERROR = re.compile(r"RESOURCE_EXHAUSTED.*[Ss]hared memory", re.DOTALL)
 _THUNK = re.compile(r"(\S+) grid: \[[^\]]*\] threads: \[[^\]]*\]\s+shared_memory: (\d+) bytes")
@@ -194,11 +209,24 @@ class Target:
     replicated: jax.sharding.NamedSharding
 
 
-def make_target(config: str | os.PathLike = TARGET_CONFIG) -> Target:
-    """Compile-only H200 device (no GPU needed) from a ``GpuTargetConfigProto`` text file."""
+def target_config(config: str | os.PathLike = TARGET_CONFIG, cuda: str | None = None) -> str:
+    """The ``GpuTargetConfigProto`` text of a target: a name of :data:`TARGETS` (``"h100"``, ``"h200"``) or a file;
+    with ``cuda`` (e.g. :data:`LENT_CUDA`), its driver, runtime and compile-time toolkit versions set to that."""
+    text = Path(TARGETS.get(str(config), config)).read_text()
+    if cuda is not None:
+        for field in ("driver_version", "runtime_version", "compile_time_toolkit_version"):
+            text, n = re.subn(rf'^(\s*{field}: )"[^"]*"', rf'\g<1>"{cuda}"', text, flags=re.MULTILINE)
+            if n != 1:
+                raise ValueError(f"{config}: want one {field}, found {n}")
+    return text
+
+
+def make_target(config: str | os.PathLike = TARGET_CONFIG, *, cuda: str | None = None) -> Target:
+    """Compile-only GPU device (no GPU needed) from a ``GpuTargetConfigProto``: a name of :data:`TARGETS` or a
+    text file (default: the H200); ``cuda``: see :func:`target_config`."""
     from jax._src import xla_bridge  # private JAX: loaded only by the command that needs it
 
-    topo = xla_bridge.make_pjrt_topology("cuda", "1x1x1", topology="1x1x1", target_config=Path(config).read_text())
+    topo = xla_bridge.make_pjrt_topology("cuda", "1x1x1", topology="1x1x1", target_config=target_config(config, cuda))
     devices = topo._make_compile_only_devices()
     mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",))
     return Target(devices[0], mesh, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -268,9 +296,15 @@ def _smem_from_dump(dump: Path) -> str:
     return f"smem={smem}B({name}; {len(kernels)} kernels)"
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# What a compiled decode step runs: XLA:GPU's thunk dump (launches, CUDA graphs, host round trips) and the Pallas
+# calls' grids (programs that exit at once)
+# --------------------------------------------------------------------------------------------------------------------
 _THUNK_LINE = re.compile(r"(\d+): (k\w+)\s+\[[^\]]*\]\s*(\S*)")
-_THUNK_CONTAINERS = {"kWhile", "kConditional", "kCommandBuffer", "kAsyncStart", "kDynamicSliceFusion", "kSequential"}
-_THUNK_NO_LAUNCH = {"kAsyncDone", "kWaitForStreams"}
+_THUNK_GRID = re.compile(r"grid: \[(\d+), (\d+), (\d+)\]")
+_THUNK_CONTAINERS = {"kDynamicSliceFusion", "kSequential"}  # run their children; nothing of their own
+_THUNK_NO_LAUNCH = {"kAsyncDone", "kWaitForStreams"}  # host-side stream bookkeeping, no device launch
+PALLAS_PREFIXES = ("qmatmul_", "qjax_")  # qjax's Pallas kernel names (pallas_call(name=…)), when no jaxpr is at hand
 
 
 @dataclasses.dataclass
@@ -278,6 +312,7 @@ class _ThunkNode:
     kind: str  # a thunk kind, or a section ("body", "condition", "true_branch", "branch_0", …)
     id: int = -1
     name: str = ""
+    grid: tuple[int, int, int] | None = None  # a kernel's launch grid (blocks)
     children: list = dataclasses.field(default_factory=list)
 
 
@@ -299,7 +334,12 @@ def _thunk_tree(text: str) -> list[_ThunkNode]:
             indent = last_while + 2
         while stack and stack[-1][0] >= indent:
             stack.pop()
-        node = _ThunkNode(body[:-1]) if m is None else _ThunkNode(m.group(2), int(m.group(1)), m.group(3))
+        if m is None:
+            node = _ThunkNode(body[:-1])
+        else:
+            g = _THUNK_GRID.search(body)
+            node = _ThunkNode(m.group(2), int(m.group(1)), m.group(3),
+                              tuple(int(x) for x in g.groups()) if g else None)
         if node.kind == "kWhile":
             last_while = indent
         (stack[-1][1].children if stack else roots).append(node)
@@ -307,61 +347,380 @@ def _thunk_tree(text: str) -> list[_ThunkNode]:
     return roots
 
 
-def loop_launches(thunks: str, metadata: str, hlo: str) -> dict[str, int]:
-    """Device launches (kernels and copies) per iteration of the program's outermost while loop, by kind.
+def _base_name(thunk_name: str) -> str:
+    """A kernel's name as the program named it: XLA appends ``__1``, ``__2`` … to repeated kernel names."""
+    return re.sub(r"__\d+$", "", thunk_name)
 
-    From an XLA:GPU dump (``xla_dump_to``): ``thunks`` = ``*thunk_sequence_after_thunk_passes.txt``, ``metadata`` =
-    ``*thunk_metadata.txt`` (thunk id → HLO instruction), ``hlo`` = the optimised HLO (each nested while's
-    ``known_trip_count``: the layer scan's G, a loop over the k routed slots, …). A conditional counts its costliest
-    branch (in a decode loop, the step rather than the finished-rows copy). Kinds: ``pallas`` (qjax's kernels),
-    ``copy`` (device copies), ``xla`` (every other kernel: fusions, cuBLAS / Triton GEMMs, sorts). These are what a
-    CUDA graph replays one after another; at batch-1 decode their fixed cost per launch, not bytes, can set the time.
-    A nested loop without a known trip count raises.
-    """
+
+def _trip_counts(metadata: str, hlo: str) -> tuple[dict[int, str], dict[str, int]]:
+    """(thunk id → HLO instruction, while instruction → its ``known_trip_count``)."""
     names = {int(i): a for a, i in re.findall(r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)', metadata)}
     trips = {m.group(1): int(m.group(2)) for m in
              re.finditer(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]* while\([^\n]*"known_trip_count":\{"n":"(\d+)"', hlo,
                          re.MULTILINE)}
+    return names, trips
 
-    def count(nodes) -> dict[str, int]:
-        out: dict[str, int] = {}
 
-        def add(d, times=1):
-            for key, v in d.items():
-                out[key] = out.get(key, 0) + v * times
+@dataclasses.dataclass
+class StepStructure:
+    """What one iteration of a program's outermost while loop (a decode step) runs, from XLA:GPU's thunk dump.
+
+    Host round trips (``host_syncs``): XLA's ``WhileThunk`` of a loop without a known trip count copies its
+    predicate to the host and waits for the stream on every iteration, and a ``ConditionalThunk`` does the same for
+    its branch index on every execution — unless the loop / conditional sits inside a command buffer (a CUDA graph:
+    the predicate is evaluated on the device). ``host_ops``: what the host issues per step — one per CUDA-graph
+    launch, per thunk outside a graph (kernels, copies, async starts / dones) and per loop iteration or branch that
+    the host drives; one graph per step is 1, a decode loop captured whole is 0.
+    """
+
+    launches: dict[str, int]  # device launches per step (kernels and copies), by kind: pallas / xla / copy
+    pallas_programs: int = 0  # grid programs of the Pallas launches
+    idle_programs: int = 0  # of which exit at once (counted where the Pallas calls' work is given)
+    unmatched_pallas: tuple[str, ...] = ()  # Pallas launches whose grid no given Pallas call has
+    host_syncs: int = 0  # predicate copies to the host + host waits per step
+    host_syncs_in_layers: int = 0  # of which inside the layer loop (all its iterations)
+    host_ops: int = 0
+    graphs: int = 0  # CUDA-graph launches per step
+    pallas_outside_graphs: int = 0  # Pallas launches per step that are not inside a CUDA graph
+    outside_graphs: dict[str, int] = dataclasses.field(default_factory=dict)  # thunk kinds the host runs per step
+    step_trip_count: int | None = None  # the decode loop's known trip count (None: unknown, decided on the device)
+    step_loop_in_graph: bool = False  # the decode loop itself runs inside a CUDA graph
+    layer_trip_count: int | None = None  # the layer loop's (the loops nested one level inside the step)
+    layer_host_ops: int = 0  # host_ops per layer-loop iteration (0: the layer loop runs inside a graph)
+
+    @property
+    def total_launches(self) -> int:
+        return sum(self.launches.values())
+
+    @property
+    def host_syncs_per_layer(self) -> float:
+        return self.host_syncs_in_layers / self.layer_trip_count if self.layer_trip_count else 0.0
+
+
+class _Acc(dict):
+    """Counters of one execution of a thunk sequence (``launch:pallas``, ``host_ops``, ``outside:kCopy``, …)."""
+
+    def add(self, other: dict, times: int = 1) -> None:
+        for k, v in other.items():
+            self[k] = self.get(k, 0) + v * times
+
+    def bump(self, key: str, n: int = 1) -> None:
+        self[key] = self.get(key, 0) + n
+
+    def launches(self) -> int:
+        return sum(v for k, v in self.items() if k.startswith("launch:"))
+
+
+def step_structure(thunks: str, metadata: str, hlo: str,
+                   work: dict[tuple[str, tuple[int, int, int]], int] | None = None,
+                   pallas_names: set[str] | frozenset[str] = frozenset()) -> StepStructure:
+    """:class:`StepStructure` of the outermost while loop in an XLA:GPU dump (``xla_dump_to``): ``thunks`` =
+    ``*thunk_sequence_after_thunk_passes.txt`` (or the plain one when no thunk pass changed anything), ``metadata``
+    = ``*thunk_metadata.txt`` (thunk id → HLO instruction), ``hlo`` = the optimised HLO (each nested while's
+    ``known_trip_count``). ``work``: the programs that do work per Pallas kernel launch, by ``(name, launch grid)``
+    (:func:`pallas_work`); ``pallas_names``: the Pallas kernels' names (else :data:`PALLAS_PREFIXES` tell them).
+
+    Launches count what a CUDA graph replays one after another: nested loops × their trip counts, a conditional's
+    costliest branch (in a decode loop the step rather than the finished-rows copy); kinds ``pallas`` (qjax's
+    kernels), ``copy`` (device copies), ``xla`` (every other kernel: fusions, cuBLAS / Triton GEMMs, sorts). A nested
+    loop without a known trip count raises: its cost per step is unknown.
+    """
+    names, trips = _trip_counts(metadata, hlo)
+    work = work or {}
+    unmatched: set[str] = set()
+
+    def is_pallas(name: str) -> bool:
+        return _base_name(name) in pallas_names or name.startswith(PALLAS_PREFIXES)
+
+    def walk(nodes, in_graph: bool, depth: int, layer: dict) -> _Acc:
+        acc = _Acc()
         for node in nodes:
-            if node.kind == "kWhile":
+            kind = node.kind
+            if not kind.startswith("k"):  # a section: condition / body / branch
+                acc.add(walk(node.children, in_graph, depth, layer))
+            elif kind == "kWhile":
                 name = names.get(node.id)
                 if name not in trips:
                     raise ValueError(f"while thunk {node.id} ({name}) has no known trip count in the HLO")
-                add(count(node.children), trips[name])
-            elif node.kind == "kConditional":
-                add(max((count(b.children) for b in node.children), key=lambda d: sum(d.values()), default={}))
-            elif node.kind in _THUNK_CONTAINERS or not node.kind.startswith("k"):
-                add(count(node.children))
-            elif node.kind not in _THUNK_NO_LAUNCH:
-                kind = ("pallas" if node.name.startswith(("qmatmul_", "qjax_")) else
-                        "copy" if node.kind == "kCopy" else "xla")
-                out[kind] = out.get(kind, 0) + 1
-        return out
+                trip = trips[name]
+                one = walk(node.children, in_graph, depth + 1, layer)
+                if not in_graph:
+                    one.bump("host_ops")  # the host drives each iteration
+                if depth == 0:  # a loop directly inside the step: the layer loop
+                    layer["trip"] = layer.get("trip", 0) + trip
+                    layer["host_ops"] = layer.get("host_ops", 0) + one.get("host_ops", 0)
+                    acc.bump("layer_syncs", one.get("syncs", 0) * trip)
+                acc.add(one, trip)
+            elif kind == "kConditional":
+                branches = [walk(b.children, in_graph, depth, layer) for b in node.children]
+                acc.add(max(branches, key=_Acc.launches, default=_Acc()))
+                if not in_graph:
+                    acc.bump("host_ops")
+                    acc.bump("syncs")  # ConditionalThunk copies its branch index to the host and waits
+                    acc.bump("outside:kConditional")
+            elif kind == "kCommandBuffer":
+                acc.add(walk(node.children, True, depth, layer))
+                if not in_graph:
+                    acc.bump("host_ops")
+                    acc.bump("graphs")
+            elif kind in _THUNK_CONTAINERS or kind == "kAsyncStart":
+                acc.add(walk(node.children, in_graph, depth, layer))
+                if not in_graph:
+                    acc.bump(f"outside:{kind}")
+                    acc.bump("host_ops", kind == "kAsyncStart")
+            elif kind in _THUNK_NO_LAUNCH:
+                if not in_graph:
+                    acc.bump("host_ops")
+                    acc.bump(f"outside:{kind}")
+            else:
+                pallas = is_pallas(node.name)
+                acc.bump("launch:" + ("pallas" if pallas else "copy" if kind == "kCopy" else "xla"))
+                if pallas and node.grid is not None:
+                    programs = node.grid[0] * node.grid[1] * node.grid[2]
+                    acc.bump("programs", programs)
+                    busy = work.get((_base_name(node.name), node.grid))
+                    if busy is None:
+                        unmatched.add(f"{_base_name(node.name)}{list(node.grid)}")
+                    else:
+                        acc.bump("idle", programs - busy)
+                if not in_graph:
+                    acc.bump("host_ops")
+                    acc.bump(f"outside:{kind}")
+                    acc.bump("pallas_outside", pallas)
+        return acc
 
-    loops = [n for n in _thunk_tree(thunks) if n.kind == "kWhile"]
-    if not loops:
+    def outermost(nodes, in_graph=False):
+        for node in nodes:
+            if node.kind == "kWhile":
+                return node, in_graph
+            found = outermost(node.children, in_graph or node.kind == "kCommandBuffer")
+            if found:
+                return found
+        return None
+
+    found = outermost(_thunk_tree(thunks))
+    if found is None:
         raise ValueError("no while loop in the thunk sequence")
-    return count(loops[0].children)
+    loop, loop_in_graph = found
+    layer: dict = {}
+    acc = walk(loop.children, loop_in_graph, 0, layer)
+    trip = trips.get(names.get(loop.id))
+    if not loop_in_graph:
+        acc.bump("host_ops")  # the step itself: one host-driven iteration of the decode loop
+        if trip is None:
+            acc.bump("syncs")  # WhileThunk: the predicate to the host, every step
+            acc.bump("outside:kWhile")
+    return StepStructure(
+        launches={k[len("launch:"):]: v for k, v in sorted(acc.items()) if k.startswith("launch:")},
+        pallas_programs=acc.get("programs", 0), idle_programs=acc.get("idle", 0),
+        unmatched_pallas=tuple(sorted(unmatched)), host_syncs=acc.get("syncs", 0),
+        host_syncs_in_layers=acc.get("layer_syncs", 0), host_ops=acc.get("host_ops", 0), graphs=acc.get("graphs", 0),
+        pallas_outside_graphs=acc.get("pallas_outside", 0),
+        outside_graphs={k[len("outside:"):]: v for k, v in sorted(acc.items()) if k.startswith("outside:")},
+        step_trip_count=trip, step_loop_in_graph=loop_in_graph, layer_trip_count=layer.get("trip"),
+        layer_host_ops=layer.get("host_ops", 0))
 
 
-def dump_launches(dump: str | Path) -> dict[str, int]:
-    """:func:`loop_launches` of the one module dumped into ``dump``."""
+def loop_launches(thunks: str, metadata: str, hlo: str) -> dict[str, int]:
+    """Device launches (kernels and copies) per iteration of the program's outermost while loop, by kind
+    (:func:`step_structure`'s ``launches``). At batch-1 decode their fixed cost per launch, not bytes, can set the
+    time."""
+    return step_structure(thunks, metadata, hlo).launches
+
+
+def dump_files(dump: str | Path) -> tuple[str, str, str]:
+    """(thunk sequence, thunk metadata, optimised HLO) of the one module dumped into ``dump``."""
     dump = Path(dump)
 
     def one(what, files):
         if len(files) != 1:
             raise ValueError(f"{dump}: want one {what}, found {len(files)}")
         return files[0].read_text()
-    return loop_launches(one("thunk sequence", _thunk_sequences(dump)),
-                         one("thunk metadata", sorted(dump.glob("*thunk_metadata.txt"))),
-                         one("optimised HLO", sorted(dump.glob("*gpu_after_optimizations.txt"))))
+    return (one("thunk sequence", _thunk_sequences(dump)),
+            one("thunk metadata", sorted(dump.glob("*thunk_metadata.txt"))),
+            one("optimised HLO", sorted(dump.glob("*gpu_after_optimizations.txt"))))
+
+
+def dump_launches(dump: str | Path) -> dict[str, int]:
+    """:func:`loop_launches` of the one module dumped into ``dump``."""
+    return loop_launches(*dump_files(dump))
+
+
+def dump_structure(dump: str | Path, calls: Sequence[PallasCall] = ()) -> StepStructure:
+    """:func:`step_structure` of the one module dumped into ``dump``, idle programs counted from ``calls``."""
+    return step_structure(*dump_files(dump), work=pallas_work(calls), pallas_names={c.name for c in calls})
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasCall:
+    """One ``pallas_call`` of a traced program: its grid and how many of the grid's programs can do work.
+
+    A program does no work (exits at once) when the kernel's top level is a guard — a ``cond`` (``pl.when``) with an
+    empty branch and nothing written outside it — that selects the empty branch for it, with every scalar the guard
+    reads from a ref taken as 0 (a stacked-weight kernel's ``pl.when(program_id(1) // nb == layer)``: the programs of
+    the other layers' row blocks), or when its output block is one another program of the grid writes (a grid wider
+    than its blocked outputs). Data-dependent guards (an MoE block with no expert) count as working."""
+
+    name: str
+    grid: tuple[int, ...]
+    work: int
+    why: str = ""
+
+    @property
+    def programs(self) -> int:
+        return int(np.prod(self.grid, dtype=np.int64))
+
+    @property
+    def launch_grid(self) -> tuple[int, int, int]:
+        """The CUDA grid XLA launches (Pallas-Triton puts grid axis i on CUDA axis i, up to three axes)."""
+        g = tuple(self.grid)
+        return (g + (1, 1, 1))[:3] if len(g) <= 3 else (int(np.prod(g[:-2])), g[-2], g[-1])
+
+
+def _sub_jaxprs(params: dict):
+    for v in params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(x, jex_core.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jex_core.Jaxpr):
+                yield x
+
+
+def _pallas_eqns(jaxpr, out: list) -> list:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append(eqn)
+        else:
+            for sub in _sub_jaxprs(eqn.params):
+                _pallas_eqns(sub, out)
+    return out
+
+
+def _is_ref(v) -> bool:
+    return hasattr(getattr(v, "aval", None), "inner_aval")
+
+
+def _writes(eqn) -> bool:
+    return any(type(e).__name__ in ("WriteEffect", "AccumEffect") for e in eqn.effects)
+
+
+def _eval_over_grid(eqns, wanted, grid: tuple[int, ...]) -> list[np.ndarray]:
+    """The values of ``wanted`` (vars of a kernel's top level) for every program of ``grid``, computed from the
+    kernel's top-level ``eqns``: ``program_id`` / ``num_programs`` from the grid, every read of a ref as 0."""
+    need, live = [], set(wanted)
+    for eqn in reversed(eqns):  # the backward slice of `wanted`
+        if any(v in live for v in eqn.outvars):
+            need.append(eqn)
+            live.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    need.reverse()
+
+    def one(*pid):
+        env = {}
+        for eqn in need:
+            prim = eqn.primitive
+            if prim.name == "program_id":
+                outs = [pid[eqn.params["axis"]]]
+            elif prim.name == "num_programs":
+                outs = [jnp.int32(grid[eqn.params["axis"]])]
+            elif any(_is_ref(v) for v in eqn.invars):  # a ref read: the runtime value (a layer, an expert) as 0
+                outs = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+            else:
+                args = [v.val if isinstance(v, jex_core.Literal) else env[v] for v in eqn.invars]
+                outs = prim.bind(*args, **eqn.params)
+                outs = outs if prim.multiple_results else [outs]
+            env.update(zip(eqn.outvars, outs))
+        return [v.val if isinstance(v, jex_core.Literal) else env[v] for v in wanted]
+
+    ids = [a.ravel() for a in np.meshgrid(*[np.arange(n, dtype=np.int32) for n in grid], indexing="ij")]
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return [np.broadcast_to(np.asarray(x), ids[0].shape) for x in jax.vmap(one)(*map(jnp.asarray, ids))]
+
+
+def _guard_work(kernel, grid) -> tuple[int, str] | None:
+    """Programs past the kernel's top-level guard (see :class:`PallasCall`), or None without such a guard."""
+    eqns = kernel.eqns
+    conds = [e for e in eqns if e.primitive.name == "cond"
+             and any(not b.jaxpr.eqns for b in e.params["branches"])]
+    if len(conds) != 1 or any(_writes(e) for e in eqns if e is not conds[0]):
+        return None
+    cond = conds[0]
+    branches = cond.params["branches"]
+    (index,) = _eval_over_grid(eqns, [cond.invars[0]], grid)
+    chosen = np.clip(index.astype(np.int64), 0, len(branches) - 1)
+    empty = [i for i, b in enumerate(branches) if not b.jaxpr.eqns]
+    return int(np.sum(~np.isin(chosen, empty))), "guard (pl.when with an empty branch)"
+
+
+def _block_sizes(bm) -> tuple[int, ...]:
+    """A block mapping's block shape as ints (``Blocked(n)`` → n; squeezed / ``None`` dims → 1)."""
+    sizes = []
+    for b in bm.block_shape:
+        b = getattr(b, "block_size", b)
+        sizes.append(b if isinstance(b, (int, np.integer)) else 1)
+    return tuple(sizes)
+
+
+def _block_index(index_map, *grid_index):
+    return tuple(index_map(*grid_index))
+
+
+def _output_work(gm, grid) -> tuple[int, str] | None:
+    """Distinct output blocks the grid writes (each at most one program's work), or None when no output is blocked
+    (the kernel stores by index into whole arrays)."""
+    best = None
+    ids = [jnp.asarray(a.ravel()) for a in
+           np.meshgrid(*[np.arange(n, dtype=np.int32) for n in grid], indexing="ij")]
+    for bm in gm.block_mappings[gm.num_inputs:gm.num_inputs + gm.num_outputs]:
+        shape = tuple(bm.array_aval.shape)
+        sizes = _block_sizes(bm)
+        if len(sizes) != len(shape) or all(s >= d for s, d in zip(sizes, shape)):
+            continue
+        if len(bm.index_map_jaxpr.jaxpr.invars) != len(grid):
+            continue
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            idx = jax.vmap(functools.partial(_block_index, jex_core.jaxpr_as_fun(bm.index_map_jaxpr)))(*ids)
+        blocks = np.stack([np.broadcast_to(np.asarray(x), ids[0].shape) for x in idx], axis=1)
+        n = len(np.unique(blocks, axis=0))
+        best = n if best is None else max(best, n)
+    return None if best is None else (best, "shared output blocks")
+
+
+def pallas_calls(jaxpr) -> list[PallasCall]:
+    """Every ``pallas_call`` in a traced program (``jax.jit(f).trace(…).jaxpr``, nested jaxprs included), with the
+    programs of its grid that can do work (:class:`PallasCall`)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    out, seen = [], {}
+    for eqn in _pallas_eqns(jaxpr, []):
+        gm = eqn.params["grid_mapping"]
+        grid = tuple(gm.grid)
+        name = str(eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", "pallas_call"))
+        if not all(isinstance(n, (int, np.integer)) for n in grid):
+            continue  # a dynamic grid: not counted
+        key = (name, grid, id(eqn.params["jaxpr"]), id(gm))
+        if key not in seen:
+            programs = int(np.prod(grid, dtype=np.int64))
+            work, why, notes = programs, "", []
+            for what, probe, arg in (("guard", _guard_work, eqn.params["jaxpr"]), ("output blocks", _output_work, gm)):
+                try:
+                    got = probe(arg, grid)
+                except Exception as e:  # noqa: BLE001 - an unreadable kernel counts as all working, and says so
+                    notes.append(f"{what} not evaluated: {_one_line(_err(e), 120)}")
+                    continue
+                if got is not None and got[0] < work:
+                    work, why = got
+            seen[key] = PallasCall(name, grid, work, why or "; ".join(notes))
+        out.append(seen[key])
+    return out
+
+
+def pallas_work(calls: Sequence[PallasCall]) -> dict[tuple[str, tuple[int, int, int]], int]:
+    """``(name, launch grid) → programs that do work`` for :func:`step_structure` (the fewest where two calls
+    share a name and grid)."""
+    table: dict[tuple[str, tuple[int, int, int]], int] = {}
+    for c in calls:
+        key = (c.name, c.launch_grid)
+        table[key] = min(table.get(key, c.work), c.work)
+    return table
 
 
 def compile_case(case: Case, target: Target) -> tuple[float, str]:
@@ -443,8 +802,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--self-test", action="store_true",
                    help="compile the built-in self-test kernel instead: good tilings must compile, the oversized "
                         "one must fail with RESOURCE_EXHAUSTED shared memory")
-    p.add_argument("--target-config", default=str(TARGET_CONFIG), metavar="TXTPB",
-                   help="GpuTargetConfigProto text file (default: %(default)s)")
+    p.add_argument("--target", choices=sorted(TARGETS), default="h200",
+                   help="the GPU to compile for (default: %(default)s): kernels/<target>.txtpb")
+    p.add_argument("--target-config", default=None, metavar="TXTPB",
+                   help="a GpuTargetConfigProto text file instead of --target's")
     p.add_argument("--extract-target-config", metavar="WHEEL_OR_SO",
                    help="print the H200 target config embedded in a jax-cuda13-pjrt 0.12.x wheel (or its .so)")
     p.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
@@ -471,10 +832,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no cases to compile" + (f" matching {args.filter!r}" if args.filter else ""))
         return 0
 
+    config = args.target_config or TARGETS[args.target]
     try:
-        target = make_target(args.target_config)
+        target = make_target(config)
     except Exception as e:  # noqa: BLE001
-        print(f"cannot create the compile-only H200 target from {args.target_config}: {_one_line(_err(e))}\n"
+        print(f"cannot create the compile-only GPU target from {config}: {_one_line(_err(e))}\n"
               "(needs jax-cuda13-plugin + jax-cuda13-pjrt matching jax; see .ci/aot_h200.sh)", file=sys.stderr)
         return 2
     print(f"jax {jax.__version__}, target {target.device.device_kind} (compile-only), {len(cases)} case(s)",

@@ -22,6 +22,13 @@ Two paths, chosen statically from the (static) shapes, one kernel body, grid ``(
 - **GEMM path** (prefill, ``M > 16``): ``bm × bn`` tiles, ``lax.fori_loop`` over K in ``bk`` chunks; tiles shrink
   and K is split (``S ≤ 4``) while the grid is below one wave.
 
+Layer stacks (``layer=``, how the model's layer scan calls every projection): ``packed`` / ``scale`` / ``zero``
+are ``[L, N, ·]`` and are passed whole, flattened to ``[L·N, ·]`` (a bitcast), with the layer index an ``int32[1]``
+operand; the grid is one layer's ``(M/bm, N/bn, S)`` and each program adds ``layer·N`` to its row offset — a runtime
+scalar in the pointer arithmetic, so each weight byte of the layer is still streamed once and nothing is copied
+(Pallas-Triton has no scalar prefetch: a BlockSpec's block index cannot follow a runtime layer). A layer whose N or K
+would need padding is sliced out instead (:func:`_in_stack_ok`).
+
 Each K chunk applies its group scales / zero points to the dequantized ``[bn, bk]`` tile: ``bk`` a multiple of the
 group (``bk/g`` scales per row) or a divisor of it (one scale column per chunk); channel / tensor scales are one
 per row. With ``S > 1`` the kernel writes ``S`` fp32 partials, reduced by a second (XLA) pass. Block sizes:
@@ -208,18 +215,19 @@ def _round(w: jax.Array, scale_dtype, out_dtype, interpret: bool) -> jax.Array:
     return w.astype(out_dtype)
 
 
-def _dequant_tile(w_ref, s_ref, z_ref, c, *, meta: QuantMeta, bk: int, group: int | None, out_dtype,
+def _dequant_tile(w_ref, s_ref, z_ref, c, *, rows, bn: int, meta: QuantMeta, bk: int, group: int | None, out_dtype,
                   interpret: bool) -> jax.Array:
-    """K chunk ``c`` of this program's rows → dequantized ``[bn, bk]`` tile in ``out_dtype``."""
-    bn = w_ref.shape[0]
+    """K chunk ``c`` (counted from column 0 of ``w_ref``) of this program's rows → dequantized ``[bn, bk]`` tile in
+    ``out_dtype``. ``rows``: ``slice(None)`` when the refs are this program's ``[bn, ·]`` blocks, else
+    ``pl.ds(row0, bn)`` into the whole ``[L·N, ·]`` stacks (a scalar added to the pointer, not a gather)."""
     if meta.fmt == "dense":
-        return w_ref[:, pl.ds(pl.multiple_of(c * bk, bk), bk)].astype(out_dtype)
+        return w_ref[rows, pl.ds(pl.multiple_of(c * bk, bk), bk)].astype(out_dtype)
     scale_dtype = jnp.bfloat16 if meta.fmt == "mxfp8" else jnp.dtype(meta.scale_dtype)
     rnd = functools.partial(_round, scale_dtype=scale_dtype, out_dtype=out_dtype, interpret=interpret)
     if meta.fmt == "mxfp8":
-        v = w_ref[:, pl.ds(pl.multiple_of(c * bk, bk), bk)].astype(jnp.float32)  # [bn, bk]
+        v = w_ref[rows, pl.ds(pl.multiple_of(c * bk, bk), bk)].astype(jnp.float32)  # [bn, bk]
         ng = bk // 32
-        e = s_ref[:, pl.ds(pl.multiple_of(c * ng, ng), ng)].astype(jnp.int32)  # [bn, bk/32]
+        e = s_ref[rows, pl.ds(pl.multiple_of(c * ng, ng), ng)].astype(jnp.int32)  # [bn, bk/32]
         a, b = _e8m0_factors(e)
         w = (v.reshape(bn, ng, 32) * a[:, :, None]) * b[:, :, None]
         return rnd(w.reshape(bn, bk))
@@ -227,44 +235,50 @@ def _dequant_tile(w_ref, s_ref, z_ref, c, *, meta: QuantMeta, bk: int, group: in
     bits = meta.bits
     per = 32 // bits
     nw = bk // per
-    words = w_ref[:, pl.ds(pl.multiple_of(c * nw, nw), nw)]  # [bn, bk/per] int32
+    words = w_ref[rows, pl.ds(pl.multiple_of(c * nw, nw), nw)]  # [bn, bk/per] int32
     shifts = lax.broadcasted_iota(jnp.int32, (bn, nw, per), 2) * bits
     u = lax.shift_right_logical(jnp.broadcast_to(words[:, :, None], (bn, nw, per)), shifts) & ((1 << bits) - 1)
     q = (u - (1 << (bits - 1))).astype(jnp.float32)  # [bn, nw, per]
     if group is None:  # one scale (and zero point) per row
-        s = s_ref[...].astype(jnp.float32)  # [bn, 1]
+        s = s_ref[rows, pl.ds(0, 1)].astype(jnp.float32)  # [bn, 1]
         q = q.reshape(bn, bk)
         if z_ref is not None:
-            q = q - z_ref[...].astype(jnp.float32)
+            q = q - z_ref[rows, pl.ds(0, 1)].astype(jnp.float32)
         w = q * s
     elif bk >= group:  # the chunk holds bk/group whole groups
         ng = bk // group
         q = q.reshape(bn, ng, group)
-        s = s_ref[:, pl.ds(pl.multiple_of(c * ng, ng), ng)].astype(jnp.float32)[:, :, None]
+        s = s_ref[rows, pl.ds(pl.multiple_of(c * ng, ng), ng)].astype(jnp.float32)[:, :, None]
         if z_ref is not None:
-            q = q - z_ref[:, pl.ds(pl.multiple_of(c * ng, ng), ng)].astype(jnp.float32)[:, :, None]
+            q = q - z_ref[rows, pl.ds(pl.multiple_of(c * ng, ng), ng)].astype(jnp.float32)[:, :, None]
         w = (q * s).reshape(bn, bk)
     else:  # the chunk lies inside one group
         gi = (c * bk) // group
         q = q.reshape(bn, bk)
-        s = s_ref[:, pl.ds(gi, 1)].astype(jnp.float32)  # [bn, 1]
+        s = s_ref[rows, pl.ds(gi, 1)].astype(jnp.float32)  # [bn, 1]
         if z_ref is not None:
-            q = q - z_ref[:, pl.ds(gi, 1)].astype(jnp.float32)
+            q = q - z_ref[rows, pl.ds(gi, 1)].astype(jnp.float32)
         w = q * s
     return rnd(w)
 
 
 def _kernel(*refs, meta: QuantMeta, cfg: KernelConfig, group: int | None, has_zero: bool, nk: int, reduce_rows: bool,
-            interpret: bool, nb: int | None = None):
-    """Refs: ``[layer,] x, w[, scale[, zero]], out`` (a dense weight has no scale)."""
-    if nb is not None:  # the weight is a stack of layers: only the programs of the asked layer's row blocks work
-        layer_ref, *refs = refs
+            interpret: bool, layer_rows: int | None = None):
+    """Refs: ``[layer,] x, w[, scale[, zero]], out`` (a dense weight has no scale); program ``(i, j, s)``.
 
-        @pl.when(pl.program_id(1) // nb == layer_ref[0])
-        def _():
-            _kernel(*refs, meta=meta, cfg=cfg, group=group, has_zero=has_zero, nk=nk, reduce_rows=reduce_rows,
-                    interpret=interpret)
-        return
+    ``layer_rows is None``: ``w`` / ``scale`` / ``zero`` are this program's ``[bn, ·]`` blocks (BlockSpecs).
+    ``layer_rows = N``: they are the whole ``[L·N, ·]`` stacks and ``layer`` an ``int32[1]``; the grid covers one
+    layer, so this program reads rows ``layer·N + j·bn + [0, bn)`` and the K chunks of split ``s`` (``s·nk + c``):
+    the layer offset is a runtime scalar in the pointer arithmetic (a block index cannot depend on a runtime value
+    in Pallas-Triton, which has no scalar prefetch), and no program is idle.
+    """
+    bn, bk = cfg.bn, cfg.bk
+    if layer_rows is None:
+        rows, c0 = slice(None), 0
+    else:
+        layer_ref, *refs = refs
+        row0 = layer_ref[0] * layer_rows + pl.program_id(1) * bn  # layer_rows % bn == 0 (_in_stack_ok)
+        rows, c0 = pl.ds(pl.multiple_of(row0, bn), bn), pl.program_id(2) * nk
     if meta.fmt == "dense":
         (x_ref, w_ref, o_ref), s_ref, z_ref = refs, None, None
     elif has_zero:
@@ -272,10 +286,12 @@ def _kernel(*refs, meta: QuantMeta, cfg: KernelConfig, group: int | None, has_ze
     else:
         (x_ref, w_ref, s_ref, o_ref), z_ref = refs, None
     x_dtype = x_ref.dtype
-    bk = cfg.bk
     precision = lax.Precision.HIGHEST if x_dtype == jnp.float32 else None
-    dequant = functools.partial(_dequant_tile, w_ref, s_ref, z_ref, meta=meta, bk=bk, group=group, out_dtype=x_dtype,
-                                interpret=interpret)
+    tile = functools.partial(_dequant_tile, w_ref, s_ref, z_ref, rows=rows, bn=bn, meta=meta, bk=bk, group=group,
+                             out_dtype=x_dtype, interpret=interpret)
+
+    def dequant(c):  # c: this split's chunk (x's block starts at the split); the weight chunk counts from the ref's
+        return tile(c + c0)
 
     if reduce_rows:  # M == 1: multiply + row reduction (no 16-row MMA padding)
         def body(c, acc):
@@ -284,7 +300,7 @@ def _kernel(*refs, meta: QuantMeta, cfg: KernelConfig, group: int | None, has_ze
             w = dequant(c).astype(jnp.float32)  # [bn, bk]
             return acc + jnp.sum(w * xs, axis=1)
 
-        acc = lax.fori_loop(0, nk, body, jnp.zeros((w_ref.shape[0],), jnp.float32))
+        acc = lax.fori_loop(0, nk, body, jnp.zeros((bn,), jnp.float32))
         o_ref[...] = acc[None, :].astype(o_ref.dtype)
         return
 
@@ -295,7 +311,7 @@ def _kernel(*refs, meta: QuantMeta, cfg: KernelConfig, group: int | None, has_ze
         return acc + lax.dot_general(xs, w, (((1,), (1,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, nk, body, jnp.zeros((x_ref.shape[0], w_ref.shape[0]), jnp.float32))
+    acc = lax.fori_loop(0, nk, body, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -308,10 +324,12 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
                 layer=None) -> jax.Array:
     """``x [M, K]`` → ``[M, N]`` through one pallas_call (+ the split-K reduction).
 
-    ``layer``: packed / scale / zero are a stack of L layers flattened to ``[L·N, ·]`` (no padding needed: see
-    :func:`_in_stack_ok`) and this is layer ``layer`` (int32 scalar, may be traced). The grid covers every layer's
-    row blocks and the programs of other layers return at once: a block index cannot depend on a runtime value in
-    Pallas-Triton, and slicing the layer out first would copy its weight on every call.
+    ``layer``: packed / scale / zero are a stack of L layers flattened to ``[L·N, ·]`` (a bitcast; no padding
+    needed: see :func:`_in_stack_ok`) and this is layer ``layer`` (int32 scalar, may be traced). They go to the
+    kernel whole (a BlockSpec of the full array: a raw pointer on the GPU) with the layer as an ``int32[1]``
+    operand; the grid is one layer's ``(M/bm, N/bn, S)`` and each program adds ``layer·N`` to its row offset
+    (:func:`_kernel`). Slicing the layer out first would copy its weight on every call; a grid over every layer's
+    row blocks (a block index cannot depend on a runtime value in Pallas-Triton) would leave L−1 of L programs idle.
     """
     m, k = x.shape
     n = meta.out_features
@@ -340,7 +358,6 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
         gp, gs = 1, 1
     else:
         gp, gs = kp // group, ks // group  # scale columns in all / in one split
-    layers = 1
     if layer is None:
         wg = _pad2(packed, np_, kp // per)
         sg = None if dense else _pad2(scale, np_, gp)
@@ -349,6 +366,7 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
         layers = packed.shape[0] // n
         assert np_ == n and packed.shape == (layers * n, kp // per), (packed.shape, cfg)
         assert dense or scale.shape == (layers * n, gp), (scale.shape, cfg)
+        assert zero is None or zero.shape == scale.shape, (zero.shape, scale.shape)
         wg, sg, zg = packed, scale, zero
 
     reduce_rows = cfg.path == "gemv" and m == 1
@@ -359,24 +377,29 @@ def _qmatmul_2d(x: jax.Array, packed, scale, zero, meta: QuantMeta, cfg: KernelC
     if cfg.path == "gemv":
         assert mp == bm, (m, cfg)
     mb, nb = mp // bm, np_ // bn
-    grid = (mb, nb * layers, split)  # program_id(0) fastest: consecutive programs share a weight tile
+    grid = (mb, nb, split)  # one layer's work; program_id(0) fastest: consecutive programs share a weight tile
     x_spec = pl.BlockSpec((bm, ks), lambda i, j, s: (i, s))
-    w_spec = pl.BlockSpec((bn, ks // per), lambda i, j, s: (j, s))
-    if group is None:
-        s_spec = pl.BlockSpec((bn, 1), lambda i, j, s: (j, 0))
+    if layer is not None:  # the whole stacks: the kernel adds the layer's row offset itself
+        w_spec, s_spec, z_spec = (None if a is None else pl.BlockSpec(a.shape, lambda i, j, s: (0, 0))
+                                  for a in (wg, sg, zg))
     else:
-        s_spec = pl.BlockSpec((bn, gs), lambda i, j, s: (j, s))
-    o_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (s * mb + i, j % nb))  # split s writes rows [s·Mp, (s+1)·Mp)
+        w_spec = pl.BlockSpec((bn, ks // per), lambda i, j, s: (j, s))
+        if group is None:
+            s_spec = pl.BlockSpec((bn, 1), lambda i, j, s: (j, 0))
+        else:
+            s_spec = pl.BlockSpec((bn, gs), lambda i, j, s: (j, s))
+        z_spec = s_spec
+    o_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (s * mb + i, j))  # split s writes rows [s·Mp, (s+1)·Mp)
     out_shape = jax.ShapeDtypeStruct((split * mp, np_), jnp.float32 if split > 1 else x.dtype)
 
-    in_specs = [x_spec, w_spec] + ([s_spec] if sg is not None else []) + ([s_spec] if zg is not None else [])
+    in_specs = [x_spec, w_spec] + ([s_spec] if sg is not None else []) + ([z_spec] if zg is not None else [])
     args = (xg, wg) + ((sg,) if sg is not None else ()) + ((zg,) if zg is not None else ())
     if layer is not None:
         in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,))] + in_specs
         args = (jnp.reshape(layer, (1,)).astype(jnp.int32),) + args
     kernel = functools.partial(_kernel, meta=meta, cfg=cfg, group=group, has_zero=zg is not None, nk=nk,
                                reduce_rows=reduce_rows, interpret=bool(interpret),
-                               nb=None if layer is None else nb)
+                               layer_rows=None if layer is None else n)
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -515,30 +538,33 @@ _VARIANTS = (
 )
 
 
-def _case(name: str, spec: dict, m: int, n: int, k: int, x_dtype=jnp.bfloat16):
+def _case(name: str, spec: dict, m: int, n: int, k: int, x_dtype=jnp.bfloat16, layers: int | None = None):
+    """A packed weight ``[N, ·]``, or with ``layers`` one layer read inside its ``[layers, N, ·]`` stack (how the
+    model's layer scan calls it; the layer index is the last argument)."""
     spec = dict(spec)
     if spec.get("group_size") is None:
         spec["group_size"] = k
     meta = QuantMeta(in_features=k, out_features=n, **spec)
+    lead = () if layers is None else (layers,)
     sds = jax.ShapeDtypeStruct
     if meta.fmt == "mxfp8":
-        w = sds((n, k), jnp.float8_e4m3fn)
-        s = sds(meta.scale_shape, jnp.uint8)
+        w = sds((*lead, n, k), jnp.float8_e4m3fn)
+        s = sds((*lead, *meta.scale_shape), jnp.uint8)
     else:
-        w = sds((n, meta.packed_cols), jnp.int32)
-        s = sds(meta.scale_shape, jnp.dtype(meta.scale_dtype))
+        w = sds((*lead, n, meta.packed_cols), jnp.int32)
+        s = sds((*lead, *meta.scale_shape), jnp.dtype(meta.scale_dtype))
     x = sds((m, k), x_dtype)
-    if meta.symmetric:
-        def fn(x, packed, scale, _meta=meta):
-            return qmatmul_pallas(x, packed, scale, None, _meta, interpret=False)
+    zero = None if meta.symmetric else sds((*lead, *meta.scale_shape), jnp.int8)
+    args = (x, w, s) + (() if zero is None else (zero,)) + (() if layers is None else (sds((), jnp.int32),))
+    n_arrays = 3 if zero is None else 4
 
-        args = (x, w, s)
-    else:
-        def fn(x, packed, scale, zero, _meta=meta):
-            return qmatmul_pallas(x, packed, scale, zero, _meta, interpret=False)
+    def fn(*a, _meta=meta, _n=n_arrays):
+        x, packed, scale, *rest = a
+        zero = rest[0] if _n == 4 else None
+        layer = rest[-1] if len(a) > _n else None
+        return qmatmul_pallas(x, packed, scale, zero, _meta, interpret=False, layer=layer)
 
-        args = (x, w, s, sds(meta.scale_shape, jnp.int8))
-    return f"{name}_m{m}_n{n}_k{k}", fn, args
+    return f"{name}{'' if layers is None else '_stack'}_m{m}_n{n}_k{k}", fn, args
 
 
 def _dense_stack_case(m: int, n: int, k: int, layers: int = 10):
@@ -553,6 +579,8 @@ def _dense_stack_case(m: int, n: int, k: int, layers: int = 10):
 
 
 def lowering_cases() -> list[tuple[str, Callable, tuple[jax.ShapeDtypeStruct, ...]]]:
-    """(name, fn, arg_specs) per kernel variant × path × real layer shape; ``fn(*arrays)`` runs the GPU kernel."""
-    return ([_case(name, spec, m, n, k) for name, spec in _VARIANTS for m in LOWERING_M for n, k in LAYER_SHAPES]
+    """(name, fn, arg_specs) per kernel variant × path × real layer shape, each alone and inside a 10-layer stack
+    (``*_stack_*``: the grid of one layer, the stack read whole); ``fn(*arrays)`` runs the GPU kernel."""
+    return ([_case(name, spec, m, n, k, layers=layers) for layers in (None, 10) for name, spec in _VARIANTS
+             for m in LOWERING_M for n, k in LAYER_SHAPES]
             + [_dense_stack_case(m, n, k) for m in LOWERING_M for n, k in LAYER_SHAPES])

@@ -22,3 +22,24 @@ def lower_for_h200(fn, specs) -> str:
     with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def pallas_grids(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, grid)`` of every ``pallas_call`` in ``jax.make_jaxpr(fn)(*args)`` (nested jaxprs included: custom_vjp,
+    jit, scan bodies), in program order: the programs each kernel launches, from the traced program alone (``args``
+    may be ``jax.ShapeDtypeStruct``s, so real model shapes cost nothing)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                info = eqn.params.get("name_and_src_info") or eqn.params.get("name")
+                found.append((str(getattr(info, "name", info)), tuple(eqn.params["grid_mapping"].grid)))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr → Jaxpr
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from h200_util import TRITON_TARGET, lower_for_h200
+from h200_util import TRITON_TARGET, lower_for_h200, pallas_grids
 from qjax.kernels import qmatmul_reference as reference
 from qjax.kernels.qmatmul_pallas import KernelConfig, choose_config, lowering_cases, qmatmul_pallas
-from qjax.kernels.quant_meta import QuantMeta
+from qjax.kernels.quant_meta import QuantMeta, dense_meta
 
 # jax ≥ 0.11 deprecates the Pallas Triton backend (id ``jax-pallas-triton``, docs/kernels.md §3)
 pytestmark = [
@@ -384,6 +384,98 @@ def test_layer_in_stack(fmt, bits, group, k, n, symmetric, m):
         ref = run_jit(lambda x, p, s, z, g_: entry(x, p, s, z, meta, impl="reference", layer=g_), x, *stack,
                       jnp.int32(g))
         np.testing.assert_array_equal(np.asarray(ref), np.asarray(ref_qmatmul(x, *layers[g], meta)))
+
+
+STACK_FORCED = [
+    # (name, meta args, m, config): one layer of a 3-layer stack read in place, every path with split-K (the split's
+    # K offset and the layer's row offset both added inside the kernel)
+    ("gemv-m1-splitk-bk>g", ("int", 2, 32, 256, 48, True), 1, KernelConfig("gemv", 16, 16, 64, split_k=2)),
+    ("gemv-splitk-bk<g-asym", ("int", 4, 128, 512, 96, False), 5, KernelConfig("gemv", 16, 32, 64, split_k=4)),
+    ("gemv-channel-splitk-asym", ("int", 8, "channel", 256, 48, False), 16,
+     KernelConfig("gemv", 16, 16, 32, split_k=4)),
+    ("gemm-splitk-bk<g-asym", ("int", 8, 64, 256, 192, False), 37, KernelConfig("gemm", 16, 64, 32, split_k=2)),
+    ("gemm-mx-splitk", ("mxfp8", 8, 32, 256, 128, True), 37, KernelConfig("gemm", 32, 64, 64, split_k=2)),
+    ("dense-gemv-m1-splitk", None, 1, KernelConfig("gemv", 16, 16, 64, split_k=2)),
+]
+
+
+@pytest.mark.parametrize("case", STACK_FORCED, ids=[c[0] for c in STACK_FORCED])
+def test_layer_in_stack_configs(case):
+    """Each layer of a ``[3, N, ·]`` stack, its index traced by a ``lax.scan`` over the layers (as the model's layer
+    scan passes it), gives the same bits as the kernel on that layer alone with the same blocks, through a grid of
+    the same size (one layer's programs, none idle)."""
+    from qjax.kernels.qmatmul_pallas import _in_stack_ok, matmul_pallas
+
+    name, margs, m, cfg = case
+    rng = np.random.default_rng(len(name))
+    if margs is None:  # an unquantized weight: kernels.matmul's in-stack path
+        meta = dense_meta(48, 256, jnp.float32)
+        layers = [(make_x(rng, (48, 256)), None, None) for _ in range(3)]
+
+        def call(x, p, s, z, layer=None):
+            return matmul_pallas(x, p, interpret=True, config=cfg, layer=layer)
+    else:
+        meta = make_meta(*margs)
+        layers = [make_weight(meta, rng) for _ in range(3)]
+
+        def call(x, p, s, z, layer=None):
+            return qmatmul_pallas(x, p, s, z, meta, interpret=True, config=cfg, layer=layer)
+    stack = tuple(None if a[0] is None else jnp.stack(a) for a in zip(*layers))
+    x = make_x(rng, (m, meta.in_features))
+    assert _in_stack_ok(meta, cfg, stack[1], stack[2])
+
+    def scanned(x, p, s, z):
+        return jax.lax.scan(lambda c, g: (c, call(x, p, s, z, layer=g)), 0, jnp.arange(3, dtype=jnp.int32))[1]
+
+    alone = jax.jit(call).lower(x, *layers[0]).compile(compiler_options=FAST)
+    got = run_jit(scanned, x, *stack)
+    for g in range(3):
+        np.testing.assert_array_equal(np.asarray(got[g]), np.asarray(alone(x, *layers[g])), err_msg=f"layer {g}")
+    assert pallas_grids(scanned, x, *stack) == pallas_grids(call, x, *layers[0])
+
+
+# The real model's projections as its layer scan calls them: (meta, M); weights stacked over G = 10 layer groups.
+_REAL = [
+    (QuantMeta("int", 4, 128, 2048, 8192, symmetric=False), 1),  # w2w4 q_proj / in_proj_qkv, GEMV
+    (QuantMeta("int", 4, 128, 2048, 8192), 8),
+    (QuantMeta("int", 4, 128, 4096, 2048), 64),  # o_proj, GEMM
+    (QuantMeta("int", 8, 32, 2048, 8192), 1),  # w8a16-g32
+    (QuantMeta("int", 8, 32, 512, 2048), 1),  # shared expert down: split-K
+    (QuantMeta("int", 8, 2048, 2048, 512, strategy="channel"), 1),
+    (QuantMeta("mxfp8", 8, 32, 2048, 512, scale_dtype="uint8"), 512),
+    (dense_meta(8192, 2048, jnp.bfloat16), 1),  # bf16 q_proj: kernels.matmul
+]
+
+
+@pytest.mark.parametrize("meta, m", _REAL, ids=[f"{mt.fmt}{'' if mt.fmt == 'mxfp8' else mt.bits}-n{mt.out_features}"
+                                                f"-k{mt.in_features}-m{m}" for mt, m in _REAL])
+def test_stack_grid_is_one_layer(meta, m):
+    """A layer read inside a ``[10, N, ·]`` stack launches exactly one layer's programs, ``(M/bm, N/bn, S)`` — the
+    grid of the same call on that layer alone — not ``10·N/bn`` row blocks of which nine tenths return at once."""
+    from qjax.kernels.qmatmul_pallas import matmul_pallas
+
+    sds = jax.ShapeDtypeStruct
+    n, k = meta.out_features, meta.in_features
+    x = sds((m, k), jnp.bfloat16)
+    if meta.fmt == "dense":
+        def call(x, w, layer=None):
+            return matmul_pallas(x, w, interpret=True, layer=layer)
+
+        one = (sds((n, k), jnp.bfloat16),)
+    else:
+        def call(x, p, s, z=None, layer=None):
+            return qmatmul_pallas(x, p, s, z, meta, interpret=True, layer=layer)
+
+        wdt = jnp.float8_e4m3fn if meta.fmt == "mxfp8" else jnp.int32
+        sdt = jnp.uint8 if meta.fmt == "mxfp8" else jnp.dtype(meta.scale_dtype)
+        one = (sds((n, k if meta.fmt == "mxfp8" else meta.packed_cols), wdt), sds(meta.scale_shape, sdt))
+        one += () if meta.symmetric else (sds(meta.scale_shape, jnp.int8),)
+    stack = tuple(sds((10, *a.shape), a.dtype) for a in one)
+    grids = pallas_grids(lambda x, *a: call(x, *a[:-1], layer=a[-1]), x, *stack, sds((), jnp.int32))
+    cfg = choose_config(m, n, k, meta, jnp.bfloat16)
+    rows = 1 if cfg.path == "gemv" else -(-m // cfg.bm)
+    assert [g for _, g in grids] == [(rows, n // cfg.bn, cfg.split_k)], (grids, cfg)
+    assert grids == pallas_grids(call, x, *one)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from h200_util import TRITON_TARGET, lower_for_h200
+from h200_util import TRITON_TARGET, lower_for_h200, pallas_grids
 from qjax.kernels import gated_delta_step, gdn_pallas
 from qjax.kernels.gdn_pallas import gated_delta_step_pallas, gated_delta_step_reference, lowering_cases
 
@@ -68,6 +68,23 @@ def test_layer_in_stack():
         assert _rel(o, want_o) <= 1e-6 and _rel(s[1], want_s) <= 1e-6, impl
         np.testing.assert_array_equal(np.asarray(s[0]), np.asarray(stack[0]))
         np.testing.assert_array_equal(np.asarray(s[2]), np.asarray(stack[2]))
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_grid_is_one_layer(b):
+    """The state stack is read and written whole (aliased), and the grid is one layer's ``(B, Hv, Dv/32)`` programs
+    (Qwen3.6's heads), whatever the stack's length: no program of another layer is launched."""
+    sds = jax.ShapeDtypeStruct
+    specs = (sds((b, 16, 128), jnp.bfloat16), sds((b, 16, 128), jnp.bfloat16), sds((b, 32, 128), jnp.bfloat16),
+             sds((b, 32), jnp.float32), sds((b, 32), jnp.bfloat16))
+    want = [("qjax_gdn_decode", (b, 32, 4))]
+    for lead in ((), (10,), (40,)):
+        state = sds((*lead, b, 32, 128, 128), jnp.float32)
+        layer = () if not lead else (sds((), jnp.int32),)
+        def fn(*a):
+            return gated_delta_step_pallas(*a[:6], layer=a[6] if len(a) > 6 else None, interpret=True)
+
+        assert pallas_grids(fn, *specs, state, *layer) == want, lead
 
 
 def test_grads_match_reference():

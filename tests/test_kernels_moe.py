@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from h200_util import TRITON_TARGET, lower_for_h200
+from h200_util import TRITON_TARGET, lower_for_h200, pallas_grids
 from qjax.kernels import moe_pallas
 from qjax.kernels.moe_pallas import MoEConfig, _align, _e8m0_to_f32, lowering_cases, moe_config, moe_experts_pallas
 from qjax.kernels.moe_reference import moe_experts
@@ -537,6 +537,36 @@ def test_expert_group_in_stack(impl, n):
         want = entry(x, idx, w, (*layers[g][3], gm), (*layers[g][4], dm), impl="reference")
         got = jax.jit(lambda g_: entry(x, idx, w, (*stack[0], gm), (*stack[1], dm), impl=impl, layer=g_))(g)
         assert _rel_err(got, want) <= (1e-6 if impl != "interpret" else F32_TOL), (impl, g)
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_stack_grid_is_one_layer(n):
+    """Layer g's experts are reached by an expert offset into the flattened ``[G·E, …]`` stacks, so the grids are
+    those of the same call on one layer's ``[E, …]`` experts, ``(B, ⌈I/bn⌉)`` and ``(B, ⌈H/bn⌉)`` with B the
+    routed M-blocks (at one token: its k slots, every block working), whatever G is (real shapes, int2 g64)."""
+    from qjax.kernels import moe_experts as entry
+
+    sds = jax.ShapeDtypeStruct
+    h, i, e, k = moe_pallas.QWEN36_HIDDEN, moe_pallas.QWEN36_INTER, moe_pallas.QWEN36_EXPERTS, moe_pallas.QWEN36_TOP_K
+    gm = QuantMeta("int", 2, 64, h, 2 * i, True, "group", "float16")
+    dm = QuantMeta("int", 2, 64, i, h, True, "group", "float16")
+    head = (sds((n, h), jnp.bfloat16), sds((n, k), jnp.int32), sds((n, k), jnp.bfloat16))
+
+    def weights(lead):
+        return [sds((*lead, e, mt.out_features, mt.packed_cols), jnp.int32) for mt in (gm, dm)], \
+            [sds((*lead, e, *mt.scale_shape), jnp.float16) for mt in (gm, dm)]
+
+    (gp, dp), (gs, ds) = weights(())
+    alone = pallas_grids(lambda x, idx, w, gp, gs, dp, ds: moe_experts_pallas(
+        x, idx, w, (gp, gs, None, gm), (dp, ds, None, dm), interpret=True), *head, gp, gs, dp, ds)
+    cfg = moe_config(n * k, e, h, i, gm, dm)
+    blocks = k if n == 1 else moe_pallas._num_blocks(n * k, e, cfg.bm)
+    assert [g for _, g in alone] == [(blocks, -(-i // cfg.gu_bn)), (blocks, -(-h // cfg.dn_bn))]
+    (gp, dp), (gs, ds) = weights((10,))
+    stacked = pallas_grids(lambda x, idx, w, gp, gs, dp, ds, g: entry(
+        x, idx, w, (gp, gs, None, gm), (dp, ds, None, dm), impl="interpret", layer=g),
+        *head, gp, gs, dp, ds, sds((), jnp.int32))
+    assert stacked == alone
 
 
 @pytest.mark.parametrize("n, experts, top_k, h, inter", [(37, 5, 2, 24, 12), (200, 32, 4, 64, 32), (3, 8, 3, 16, 8),

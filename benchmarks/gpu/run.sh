@@ -14,8 +14,16 @@
 #   benchmarks/gpu/run.sh budget    what fits one call of a 15-minute lease (< 9 min): the kernel rows behind the
 #                                   targets (MoE, the 8192×2048 dense GEMV/GEMM, the GDN step), the vision tower, and
 #                                   e2e w2w4 without the baseline; each part runs even if one before it fails
+#   benchmarks/gpu/run.sh decode    GPU decode (one call, < 9 min; each part runs even if one before it fails):
+#                                   kernel correctness (Pallas vs reference, no timings), the decode programs' XLA
+#                                   modes A/B'd in one process (qjax/runtime/xla_options.py: wall time per step, no
+#                                   profiler, tokens checked, the device's thunk structure and target config:
+#                                   benchmarks/gpu/decode_graphs.py), then full-size decode B=1/8/64 and prefill of
+#                                   w2w4 and w8a16-g32 in the fastest mode; $OUT/decode.md names the chip in every row
+#   benchmarks/gpu/run.sh decode --dry-run   the plan and the imports, no GPU needed
 # Knobs (environment): REPEATS, KERNEL_ARGS (extra benchmarks/kernels.py flags), KERNEL_TIMEOUT, RECIPES, BASELINE
-# ('' for none), RECIPE_TIMEOUT, E2E_TIMEOUT, VISION_REPEATS, VISION_TIMEOUT.
+# ('' for none), RECIPE_TIMEOUT, E2E_TIMEOUT, VISION_REPEATS, VISION_TIMEOUT; decode: DECODE_MODES, DECODE_RECIPES,
+# GRAPHS_TIMEOUT, DECODE_E2E_TIMEOUT, DECODE_KERNEL_TIMEOUT.
 # Results land in $OUT (kernels.txt, e2e.md, e2e.json, vision.md); copy the tables into benchmarks/RESULTS.md.
 # The GPU image cannot install packages, so qjax is made importable from the working tree through a symlinked
 # package folder (kernels/ -> qjax.kernels, convert/ -> qjax.convert), exactly as pyproject maps them.
@@ -24,7 +32,7 @@ cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 PHASE=${1:-all}
 case "$PHASE" in
-  kernels|e2e|serve|spec|vision|sweep|all) ;;
+  kernels|e2e|serve|spec|vision|sweep|all|decode) ;;
   budget)
     self="$0"; rc=0
     REPEATS=10 KERNEL_TIMEOUT=120 KERNEL_ARGS="--skip-dense --skip-gdn" "$self" kernels || rc=1
@@ -33,7 +41,7 @@ case "$PHASE" in
     VISION_REPEATS=5 VISION_TIMEOUT=100 "$self" vision || rc=1
     RECIPES=w2w4 BASELINE= RECIPE_TIMEOUT=170 E2E_TIMEOUT=180 "$self" e2e || rc=1
     exit $rc;;
-  *) echo "usage: $0 [kernels|e2e|serve|spec|vision|sweep|all|budget]" >&2; exit 2;;
+  *) echo "usage: $0 [kernels|e2e|serve|spec|vision|sweep|all|budget|decode [--dry-run]]" >&2; exit 2;;
 esac
 PKG=$(mktemp -d)
 mkdir -p "$PKG/qjax"
@@ -46,6 +54,13 @@ export PYTHONWARNINGS="ignore::DeprecationWarning"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
+if [[ $PHASE == decode && ${2:-} == --dry-run ]]; then
+  # no GPU needed: the plan, the imports, and the commands below
+  python3 benchmarks/gpu/decode_graphs.py --dry-run --out "$OUT" --modes "${DECODE_MODES:-xla,off,graphs,unrolled}" \
+    --recipes "${DECODE_RECIPES:-w2w4}"
+  echo "then: benchmarks/kernels.py --check --repeats 1; benchmarks/e2e.py --full --recipes w2w4,w8a16-g32 in \$OUT/best_mode.txt's mode"
+  exit 0
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt" || true
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 if [[ $PHASE == kernels || $PHASE == all ]]; then
@@ -77,4 +92,21 @@ fi
 if [[ $PHASE == vision || $PHASE == all ]]; then
   # qjax only (the image has no torch/transformers, maybe no Pillow: pixel values come from numpy); writes vision.md
   timeout ${VISION_TIMEOUT:-300} python3 benchmarks/vision.py --gpu --repeats ${VISION_REPEATS:-10} --out "$OUT" 2>&1
+fi
+if [[ $PHASE == decode ]]; then
+  rc=0
+  # 1. GPU correctness of every kernel (Pallas vs reference; fails on a mismatch), one timed call each (< 2 min)
+  timeout ${DECODE_KERNEL_TIMEOUT:-100} python3 benchmarks/kernels.py --check --repeats 1 ${KERNEL_ARGS:-} 2>&1 \
+    | tee -a "$OUT/kernels.txt" || rc=1
+  # 2. the decode programs' XLA modes, interleaved in one process, w2w4 batch 1 (< 3 min): $OUT/best_mode.txt
+  timeout ${GRAPHS_TIMEOUT:-160} python3 benchmarks/gpu/decode_graphs.py --out "$OUT" \
+    --modes "${DECODE_MODES:-xla,off,graphs,unrolled}" --recipes "${DECODE_RECIPES:-w2w4}" 2>&1 \
+    | tee "$OUT/decode_graphs.txt" || rc=1
+  # 3. full size, w2w4 and w8a16-g32: prefill 1×2048 and 8×512, decode B=1/8/64, in the fastest mode (< 4.5 min)
+  mode=$(cat "$OUT/best_mode.txt" 2>/dev/null || echo xla)
+  QJAX_DECODE_GRAPHS=$mode timeout ${DECODE_E2E_TIMEOUT:-250} python3 benchmarks/e2e.py --full --no-write --out "$OUT" \
+    --timeout 120 --baseline '' --recipes w2w4,w8a16-g32 -- --repeats 3 2>&1 | tee "$OUT/e2e.txt" || rc=1
+  python3 benchmarks/gpu/decode_graphs.py --table "$OUT" > /dev/null || rc=1
+  echo "decode phase: mode $mode for e2e; tables in $OUT/decode.md"
+  exit $rc
 fi

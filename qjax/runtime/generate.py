@@ -28,6 +28,7 @@ from qjax.multimodal.prompt import prepare_images
 from qjax.runtime.sampling import SamplingArrays, filter_logits, seed_key
 from qjax.runtime.speculative import SpeculativeStats, generate_speculative, row_keys
 from qjax.runtime.speculative import rounds as speculative_rounds
+from qjax.runtime.xla_options import decode_compiler_options, decode_mode
 from qjax.validation import MAX_TOKEN_ID
 
 
@@ -120,14 +121,28 @@ def _step(graphdef, state, cache: Cache, logits, key, s: DecodeSettings, done):
     return tok, out.logits[:, -1], out.cache, done
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("impl",), donate_argnums=(2,))
-def decode_loop(graphdef, state, cache: Cache, logits, key, s: DecodeSettings, max_new_tokens,
+def _decode_loop(graphdef, state, cache: Cache, logits, key, s: DecodeSettings, max_new_tokens,
                  impl: str | None = None):
     """All decode steps in one program; stops early once every row has emitted a stop token. ``max_new_tokens``
     (≤ the cache's free slots + 1) is an argument, not part of the program. Returns (tokens ``[B, cache.max_len]``, of
     which the first n columns were generated, n, the cache)."""
     with use_kernels(impl):
         return _decode_loop_body(graphdef, state, cache, logits, key, s, max_new_tokens)
+
+
+@functools.cache
+def _decode_loop_jit(mode: str):
+    return jax.jit(_decode_loop, static_argnums=(0, 5), static_argnames=("impl",), donate_argnums=(2,),
+                   compiler_options=decode_compiler_options(mode))
+
+
+def decode_loop_for(mode: str | None = None):
+    """The jitted decode loop compiled with the decode programs' XLA options of ``mode``
+    (:mod:`qjax.runtime.xla_options`; None: ``$QJAX_DECODE_GRAPHS`` or the default), one program per mode."""
+    return _decode_loop_jit(decode_mode(mode))
+
+
+decode_loop = decode_loop_for()  # the process's mode, settled at import
 
 
 def _decode_loop_body(graphdef, state, cache: Cache, logits, key, s: DecodeSettings, max_new_tokens):
