@@ -210,7 +210,8 @@ def run_qjax_process(base: str, calib: str, out: str, a, cache: str) -> dict:
 def _worker() -> None:
     spec = json.loads(os.environ["QJAX_AUTOROUND_WORKER"])
     from qjax import xla_env
-    from qjax.autoround.api import program_cache, use_compile_cache, use_cpu_devices
+    from qjax.autoround.api import use_cpu_devices
+    from qjax.program_cache import program_cache, use_compile_cache
 
     xla_env.apply(single_threaded=True)  # `qjax quantize`'s XLA:CPU flags (read when the backend starts, below)
     use_cpu_devices(spec["args"]["batch_size"])  # as `qjax quantize` does: one CPU device per core (data parallel)

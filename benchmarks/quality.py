@@ -31,6 +31,15 @@ AutoRound perplexity < RTN perplexity; W4G128 AutoRound within 5 % of BF16.
                                  [--methods RTN,opt-RTN,AutoRound,AutoRound+alg_ext] [--skip-auto-round] [--no-write]
 
 Writes (replaces) the section ``## Quantization quality on the built-in model (issues 5, 24)`` of RESULTS.md.
+
+``--lm-head`` (GPU decode, part 6) measures instead what a quantized LM head costs: the built-in model with only its
+head quantized (int8 per channel, int4 g128), and the seed-000 body alone, + an int8 head, + an int4 head, each body
+by plain RTN and by AutoRound (``--head-methods``) — every model made by qjax.autoround with ``--quant_lm_head``'s
+rules (a ``layer_config`` entry for ``lm_head``: RTN at iters 0, tuned after the last block otherwise). The built-in
+model ties its head to the embedding, which auto-round (and qjax quantize) leave unquantized, so the head is first
+untied (:func:`untied`: a copy of the table, the same logits) — the layout of Qwen3.6-35B-A3B, whose head is its own.
+Also the bytes a batch-1 decode step reads with each head on the 35B config (``qjax inspect``'s line, no device).
+Writes (replaces) the section ``## Quantized LM head: perplexity and decode bytes (GPU decode, part 6)``.
 """
 
 from __future__ import annotations
@@ -58,7 +67,12 @@ from autoround import _Capture, _folder, write_calibration  # noqa: E402
 from cpu_speed import RESULTS, git_state, write_section  # noqa: E402
 
 SECTION = "## Quantization quality on the built-in model (issues 5, 24)"
+HEAD_SECTION = "## Quantized LM head: perplexity and decode bytes (GPU decode, part 6)"
 SEED000 = dict(bits=4, group_size=64, layer_config={".*experts.*": {"bits": 2, "group_size": 64}})
+# the heads measured: recipe scheme (qjax inspect / qjax bench) → layer_config entry (qjax quantize); both int8
+# per channel and int4 g128 divide every head (hidden 256 here, 2048 on the 35B)
+HEADS = {"int8:channel": {"bits": 8, "group_size": -1}, "int4:g128": {"bits": 4, "group_size": 128}}
+HEAD_METHODS = {"RTN": dict(iters=0, disable_opt_rtn=True), "AutoRound": {}}
 SCHEMES = {"W4G128": dict(bits=4, group_size=128), "W2G64": dict(bits=2, group_size=64)}
 METHODS = {"RTN": dict(iters=0, disable_opt_rtn=True), "opt-RTN": dict(iters=0), "AutoRound": {},
            "AutoRound+alg_ext": dict(enable_alg_ext=True)}
@@ -118,6 +132,142 @@ def run_auto_round(folder: str, calib: str, settings: dict, out: str):
     return secs, [(b[1], b[2], b[3]) for b in cap.blocks]
 
 
+def untied(model):
+    """``model`` with an lm_head of its own holding a copy of its tied embedding table: the same logits (checked by
+    the caller), and a head that can be quantized while the input embedding stays in the model dtype."""
+    import dataclasses
+
+    from flax import nnx
+
+    from qjax.model.qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    if not model.config.tie_word_embeddings:
+        return model
+    cfg = dataclasses.replace(model.config, tie_word_embeddings=False)
+    out = Qwen3_5MoeForCausalLM(cfg, dtype=model.dtype, rngs=nnx.Rngs(0), with_mtp=model.mtp is not None)
+    nnx.update(out, nnx.state(model))
+    out.lm_head.weight[...] = model.embed_tokens[...]
+    return out
+
+
+def decode_bytes_35b() -> dict[str, tuple[float, float]]:
+    """head scheme ("bf16" too) → (MB a batch-1 decode step of Qwen3.6-35B-A3B reads with the w2w4 recipe and that
+    head, of which the head's), from the planner ``qjax inspect --recipe`` prints it with (no device)."""
+    from qjax.convert.planner import plan_recipe_cfg
+    from qjax.runtime.bench import load_config
+
+    cfg = load_config()
+    out = {}
+    for head in ["bf16", *HEADS]:
+        p = plan_recipe_cfg(cfg, f"w2w4,lm_head={head}")
+        out[head] = (p.decode["total"] / 1e6, p.lm_head_bytes / 1e6)
+    return out
+
+
+def lm_head_main(a, argv) -> int:
+    """The ``--lm-head`` measurement (module docstring)."""
+    import qjax
+    from qjax.autoround.data import calibration_ids, load_tokenizer
+    from qjax.builtin import train as T
+    from qjax.checkpoint.hub import default_model_dir
+
+    methods = [m for m in a.head_methods.split(",") if m]
+    unknown = [m for m in methods if m not in HEAD_METHODS]
+    if unknown:
+        raise SystemExit(f"--head-methods: unknown {', '.join(unknown)} (known: {', '.join(HEAD_METHODS)})")
+    folder = default_model_dir()
+    tied = qjax.load_model(folder)
+    model = untied(tied)
+    tok = load_tokenizer(folder)
+    with open(os.path.join(folder, "heldout.txt"), encoding="utf-8") as f:
+        held = np.asarray(tok.encode(f.read()).ids, np.int32)
+
+    def ppl(m) -> float:
+        nll, _ = T.mean_nll(m, held, seqlen=a.seqlen, batch=8)
+        return float(np.exp(nll))
+
+    bf16 = ppl(tied)
+    if ppl(model) != bf16:
+        raise SystemExit("the untied copy of the built-in model does not score as the model itself")
+    print(f"BF16 held-out ppl {bf16:.3f}", flush=True)
+    common = dict(nsamples=a.nsamples, seqlen=a.seqlen, batch_size=a.batch_size)
+    body = {k: v for k, v in SEED000.items() if k != "layer_config"}
+    # the head alone (the decoder stays BF16), then the seed-000 body alone and with each head
+    jobs = [(method, body_name, head) for method in methods for body_name in (None, "seed 000")
+            for head in ([*HEADS] if body_name is None else [None, *HEADS])]
+    rows = []
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        calib = os.path.join(tmp, "calib.json")
+        write_calibration(calib, a.nsamples + 8, a.seqlen + 32, model.config.vocab_size, model_dir=folder)
+        ids = calibration_ids(calib, tok, nsamples=a.nsamples, seqlen=a.seqlen, vocab_size=model.config.vocab_size)
+        for i, (method, body_name, head) in enumerate(jobs):
+            layer_config = dict(SEED000["layer_config"]) if body_name else {}
+            if head:
+                layer_config["lm_head"] = HEADS[head]
+            settings = {**(body if body_name else {"bits": 16}), "layer_config": layer_config,
+                        "iters": a.iters, **common, **HEAD_METHODS[method]}
+            out = os.path.join(tmp, str(i))
+            secs, _ = run_qjax(model, ids, settings, out)
+            loaded = qjax.load_model(out)
+            if (loaded.quant.lm_head is not None) != bool(head):
+                raise SystemExit(f"{out}: the head is {'not ' if head else ''}quantized")
+            p = ppl(loaded)
+            rows.append((method, body_name, head, settings["iters"], p, secs))
+            print(f"{method} body {body_name} head {head}: ppl {p:.3f} ({p / bf16:.4f}× BF16), {secs:.0f} s",
+                  flush=True)
+    total = time.perf_counter() - t_all
+    body_only = {r[0]: r[4] for r in rows if r[1] and r[2] is None}
+    cmd = " ".join(["python benchmarks/quality.py", shlex.join(argv)]).strip()
+    lines = [HEAD_SECTION, "",
+             f"Held-out perplexity of the built-in model, BF16 **{bf16:.3f}**, with its LM head quantized, alone and "
+             "on the seed-000 body (INT2 g64 experts, INT4 g64 rest):", "",
+             "| body | head | iters | held-out ppl | × BF16 | × body alone | seconds |",
+             "|---|---|---:|---:|---:|---:|---:|",
+             f"| BF16 | BF16 | - | {bf16:.3f} | 1.0000 | - | - |"]
+    for method, body_name, head, iters, p, secs in rows:
+        name = f"seed 000, {method}" if body_name else "BF16"
+        head_name = f"{head} ({'tuned' if iters and method != 'RTN' else 'RTN'})" if head else "BF16"
+        ratio = "-" if body_name and not head else f"{p / (body_only[method] if body_name else bf16):.4f}"
+        lines.append(f"| {name} | {head_name} | {iters} | {p:.3f} | {p / bf16:.4f} | {ratio} | {secs:.0f} |")
+    dec = decode_bytes_35b()
+    base_mb = dec["bf16"][0]
+    lines += ["",
+              "Bytes one batch-1 decode step reads on Qwen3.6-35B-A3B with the w2w4 recipe (`qjax inspect --config "
+              "qjax/assets/configs/qwen3_6_35b_a3b.json --recipe 'w2w4,lm_head=HEAD'`, its `decode step at batch 1` "
+              "line: every weight outside the routed experts, 8 of 256 experts, the GDN state read and written; KV "
+              "20.48 kB per context token on top). A decode step is bound by bytes ÷ memory bandwidth, so its time "
+              "scales as the bytes at batch 1:", "",
+              "| head | head MB | step MB | × BF16 head's step | bound at 4.8 TB/s (H200) | at 3.35 TB/s (H100) |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for head, (step, head_mb) in dec.items():
+        lines.append(f"| {head} | {head_mb:,.1f} | {step:,.1f} | {step / base_mb:.3f} | {4.8e12 / (step * 1e6):,.0f} "
+                     f"tok/s | {3.35e12 / (step * 1e6):,.0f} tok/s |")
+    lines += ["",
+              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, {os.cpu_count()} CPU "
+              f"cores, {platform.python_version()}; qjax {git_state()}; whole run {total / 60:.0f} min",
+              f"- command: `{cmd}`",
+              f"- model: built-in `qjax/assets/default` (BF16), its head untied first (a copy of the embedding table: "
+              f"the same perplexity, checked); held-out: all {held.size:,} tokens of heldout.txt in {a.seqlen}-token "
+              "windows, each model saved as compressed-tensors and loaded back before scoring; calibration: "
+              f"{a.nsamples} × {a.seqlen} tokens of calib.txt",
+              "- every row is qjax.autoround with the head asked for as `qjax quantize --quant_lm_head` / a "
+              "`layer_config` entry for `lm_head` asks for it: RTN = iters 0 without optimized RTN (auto-round's "
+              f"RTN, the head's equal to auto-round 0.16.1's bit for bit: tests/test_lm_head.py); AutoRound = iters "
+              f"{a.iters}, the head tuned after the last block on the final-norm streams; the 4-bit body layers use "
+              "group 64 (see the section above); one run each (deterministic)",
+              "- ratios: each row against BF16 and against the same body with a BF16 head, all measured in this run",
+              "- decode bytes: the planner's count on the real config's shapes (qjax.convert.planner.decode_bytes, "
+              "the bench's bound); the tok/s columns are that bound only (bytes ÷ datasheet HBM bandwidth), not "
+              "measured", ""]
+    if a.no_write:
+        print("\n".join(lines))
+    else:
+        write_section("\n".join(lines), RESULTS, HEAD_SECTION)
+        print(f"wrote {RESULTS}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=200)
@@ -129,7 +279,13 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS),
                     help=f"seed 000 quantizers to run, of {', '.join(METHODS)} (a subset replaces the whole table)")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of writing RESULTS.md")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="measure a quantized LM head instead (its own section; module docstring)")
+    ap.add_argument("--head-methods", default=",".join(HEAD_METHODS),
+                    help=f"with --lm-head: how the bodies are made, of {', '.join(HEAD_METHODS)}")
     a = ap.parse_args(argv)
+    if a.lm_head:
+        return lm_head_main(a, sys.argv[1:] if argv is None else argv)
     methods = [m for m in a.methods.split(",") if m]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

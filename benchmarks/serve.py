@@ -4,6 +4,7 @@ with ``qjax.generate``, measured in the same run (issue 17).
     python benchmarks/serve.py                                   # built-in model + CPU-scaled 35B, C = 1, 8, 32
     python benchmarks/serve.py --model scale8 --recipe w2w4 --write   # one model; append the table to RESULTS.md
     python benchmarks/serve.py --model full --recipe w2w4 --dtype bfloat16 --prompt 512 --output 128   # H200
+    python benchmarks/serve.py --startup [serve_startup.py's flags]   # start-up: time to ready, cold and warm
 
 Workload: ``--requests`` requests (default 2·C, at least 16), each a random ``--prompt``-token prompt and exactly
 ``--output`` greedy tokens (eos ignored). Clients are closed loops: each of the C clients sends its next request
@@ -179,6 +180,11 @@ def table(res: dict, a) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--startup"]:  # the start-up table: its own script (a real ``qjax serve`` per start)
+        import serve_startup
+
+        return serve_startup.main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="builtin,scale8", help="builtin, scale8, full (comma-separated)")
     p.add_argument("--recipe", default="w2w4", help="recipe of the random-weight models")

@@ -25,6 +25,7 @@ from qjax.model.linears import layer_linears
 from qjax.quant import schemes
 from qjax.quant.config import KVCacheScheme, QuantizationConfig, WeightScheme
 from qjax.quant.unquantized import KeptPart, parts_held
+from qjax.validation import new_folder
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
@@ -211,7 +212,7 @@ def write_atomically(out_dir: str | os.PathLike, write: Callable[[str], None], *
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    tmp = new_folder(parent, f".{os.path.basename(out_dir)}.tmp-")
     try:
         try:
             write(tmp)

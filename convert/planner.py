@@ -13,6 +13,7 @@ import json
 import os
 from collections import defaultdict
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,7 +41,9 @@ _ST_FLOAT = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "flo
 ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8}
 
-# compact recipe grammar: SELECTOR=SCHEME,... ; the presets are the three seed checkpoints' recipes and friends
+# compact recipe grammar: SELECTOR=SCHEME,... ; the presets are the three seed checkpoints' recipes and friends. A
+# preset is also an item, and a later item replaces an earlier one of the same selector, so a preset is amended in place:
+# "w2w4,lm_head=int8:channel" is the seed-000 recipe with a quantized LM head (every preset keeps the head BF16).
 PRESETS = {
     "w2w4": "experts=int2:g64,rest=int4:g128",  # seed 000: INT2 g64 experts + INT4 g128 attention/GDN/shared
     "w4a16": "rest=int4:g128",
@@ -65,6 +68,8 @@ def _scheme_dict(spec: str, where: str) -> dict:
     """``int4:g128[:asym]`` | ``int8:channel`` | ``mxfp8`` → compressed-tensors weight args + format."""
     parts = spec.split(":")
     if parts[0] == "mxfp8":
+        if parts[1:]:
+            raise RecipeError(f"{where}: mxfp8 takes no options (its group is 32), got {spec!r}")
         return {"format": "mxfp8-quantized", "weights": {"num_bits": 8, "type": "float", "symmetric": True,
                                                         "strategy": "group", "group_size": 32,
                                                         "scale_dtype": "torch.uint8"}}
@@ -72,12 +77,33 @@ def _scheme_dict(spec: str, where: str) -> dict:
         raise RecipeError(f"{where}: unknown scheme {spec!r} (use bf16, int2/int4/int8:gN|channel[:asym], mxfp8)")
     w = {"num_bits": int(parts[0][3:]), "type": "int", "symmetric": "asym" not in parts[1:], "strategy": "channel",
          "group_size": None}
+    grouping = [p for p in parts[1:] if p == "channel" or (p.startswith("g") and p[1:].isdigit())]
+    if len(grouping) > 1:
+        raise RecipeError(f"{where}: {' and '.join(grouping)} both given in {spec!r} (one of gN, channel)")
+    if "asym" in parts[1:] and "sym" in parts[1:]:
+        raise RecipeError(f"{where}: asym and sym both given in {spec!r}")
     for p in parts[1:]:
         if p.startswith("g") and p[1:].isdigit():
             w.update(strategy="group", group_size=int(p[1:]))
         elif p not in ("channel", "asym", "sym"):
             raise RecipeError(f"{where}: unknown scheme option {p!r} in {spec!r}")
     return {"format": "pack-quantized", "weights": w}
+
+
+def recipe_items(recipe: str) -> dict[str, str]:
+    """A compact recipe → ``{selector: scheme}`` in order, presets expanded, a later item replacing an earlier one
+    of the same selector (``"w2w4,lm_head=int4:g128"`` → experts, rest, lm_head)."""
+    items: dict[str, str] = {}
+    for raw in recipe.split(","):
+        for item in filter(None, (s.strip() for s in PRESETS.get(raw.strip(), raw).split(","))):
+            if "=" not in item:
+                raise RecipeError(f"recipe item {item!r} is not SELECTOR=SCHEME (presets: {', '.join(PRESETS)})")
+            sel, scheme = (s.strip() for s in item.split("=", 1))
+            if sel not in (*SELECTORS, "rest", "kv"):
+                raise RecipeError(f"recipe selector {sel!r} unknown; use {', '.join([*SELECTORS, 'rest', 'kv'])}")
+            items.pop(sel, None)  # the later item wins, and takes the later place
+            items[sel] = scheme
+    return items
 
 
 def recipe_to_qconfig(recipe: str) -> dict | None:
@@ -87,17 +113,16 @@ def recipe_to_qconfig(recipe: str) -> dict | None:
         with open(recipe, encoding="utf-8") as f:
             raw = json.load(f)
         return raw.get("quantization_config", raw)
-    # a preset may also appear as an item, e.g. "w2w4,kv=fp8" or "w2w4,lm_head=int4:g128"
-    spec = ",".join(PRESETS.get(item.strip(), item) for item in recipe.split(","))
     groups, kv, ignore = {}, None, ["lm_head"]
     rest = None
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        if "=" not in item:
-            raise RecipeError(f"recipe item {item!r} is not SELECTOR=SCHEME (presets: {', '.join(PRESETS)})")
-        sel, scheme = item.split("=", 1)
+    for sel, scheme in recipe_items(recipe).items():
+        item = f"{sel}={scheme}"
         if sel == "kv":
+            if scheme in ("bf16", "none"):
+                kv = None
+                continue
             if scheme not in ("fp8", "fp8:head"):
-                raise RecipeError(f"kv={scheme!r}: use kv=fp8 (per tensor) or kv=fp8:head")
+                raise RecipeError(f"kv={scheme!r}: use kv=fp8 (per tensor), kv=fp8:head or kv=bf16 (none)")
             kv = {"num_bits": 8, "type": "float", "symmetric": True,
                   "strategy": "attn_head" if scheme == "fp8:head" else "tensor", "dynamic": False}
             continue
@@ -106,10 +131,8 @@ def recipe_to_qconfig(recipe: str) -> dict | None:
         if sel == "rest":
             rest = _scheme_dict(scheme, item)
             continue
-        if sel not in SELECTORS:
-            raise RecipeError(f"recipe selector {sel!r} unknown; use {', '.join([*SELECTORS, 'rest', 'kv'])}")
         if sel == "lm_head":
-            ignore = []
+            ignore = []  # its own config group (a name target: it wins over rest's "Linear")
         groups[f"group_{len(groups)}"] = {**_scheme_dict(scheme, item), "targets": SELECTORS[sel]}
     if rest is not None:
         groups[f"group_{len(groups)}"] = {**rest, "targets": ["Linear"]}
@@ -144,6 +167,10 @@ class Plan:
     vision_disk_bytes: int = 0
     vision_device_bytes: int = 0
     vision_dtype: str | None = None  # what the loaded tower holds its weights and computes in
+    # bytes one decode step at batch 1 reads (:func:`decode_bytes` with no context: its KV is kv_bytes_per_token
+    # per context token); what bounds decode speed on a GPU: bytes ÷ memory bandwidth
+    decode: dict[str, float] = dataclasses.field(default_factory=dict)
+    lm_head_bytes: int = 0  # of decode["weights"]: the LM head's (an untied head; 0 when tied to the embedding)
 
 
 def _label(key: str, dtype: str, quant_modules: dict[str, str]) -> str:
@@ -205,8 +232,51 @@ def plan(cfg: TextConfig, headers: dict[str, tuple[tuple[int, ...], str]], qc: Q
                ("--text-only" if vision is not None else "config.json has no vision_config"),
                vision_tensors=len(visual), vision_disk_bytes=vision_disk, vision_device_bytes=vision_device,
                vision_dtype=vision_dt.name if with_visual else None)
+    out.decode = decode_bytes(model, 1, 0)
+    out.lm_head_bytes = weight_bytes_by_role(model).get("lm_head", 0)
     if mesh is not None:
         _plan_mesh(out, model, mesh)
+    return out
+
+
+def expected_active_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts ``batch`` tokens route to when each picks ``top_k`` of ``num_experts`` uniformly."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def weight_bytes_by_role(model) -> dict[str, int]:
+    """Parameter bytes of ``model`` (real or abstract) by role: ``embed`` (the table), ``lm_head``, ``experts``
+    (routed, all), ``mtp``, ``visual`` and ``other``."""
+    out: dict[str, int] = defaultdict(int)
+    for path, v in variable_shapes(model).items():
+        names = [str(p) for p in path]
+        kind = ("embed" if "embed_tokens" in names else "mtp" if "mtp" in names else "visual" if names[0] == "visual"
+                else "lm_head" if names[0] == "lm_head" else "experts" if "experts" in names else "other")
+        out[kind] += int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+    return dict(out)
+
+
+def decode_bytes(model, batch: int, context: int) -> dict[str, float]:
+    """Bytes one decode step at ``batch`` must move with ``context`` tokens in the cache: ``weights`` (every weight
+    outside the routed experts once — the LM head among them — and of the embedding only its ``batch`` rows; no MTP
+    head, no vision tower), ``experts`` (the routed experts' bytes × E_act/E, E_act =
+    :func:`expected_active_experts`), ``state`` (the GDN conv window and recurrent state, read and written back),
+    ``kv`` (the context's K/V, read once) and their ``total`` (see :mod:`qjax.runtime.bench`)."""
+    cfg = model.config
+    w = weight_bytes_by_role(model)
+    frac = expected_active_experts(cfg.num_experts, cfg.num_experts_per_tok, batch) / cfg.num_experts
+    cache = jax.eval_shape(lambda: model.init_cache(batch, max(context, 1)))
+    state = kv = 0.0
+    for slot in cache.slots:
+        nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(slot))
+        if hasattr(slot, "recurrent"):
+            state += 2 * nbytes  # read and written back
+        elif context:
+            kv += nbytes  # the whole context is read once (the new position's write is negligible)
+    embed_row = cfg.hidden_size * jnp.dtype(model.dtype).itemsize
+    out = {"weights": float(w.get("other", 0) + w.get("lm_head", 0)) + batch * embed_row,
+           "experts": w.get("experts", 0) * frac, "state": state, "kv": kv}
+    out["total"] = sum(out.values())
     return out
 
 
@@ -248,6 +318,10 @@ def recipe_headers(cfg: TextConfig, recipe: str, *, dtype="bfloat16"
     and the parsed quantization config (None for bf16)."""
     raw = recipe_to_qconfig(recipe)
     qc = None if raw is None else QuantizationConfig.from_dict(raw, source=f"recipe {recipe!r}")
+    if qc is not None and cfg.tie_word_embeddings and qc.scheme_for("lm_head") is not None:
+        # (auto-round leaves a tied head unquantized with a warning; a recipe that asks for it is a mistake here)
+        raise RecipeError(f"recipe {recipe!r}: lm_head: this config ties it to the embedding (tie_word_embeddings), "
+                          "so it has no weight of its own to quantize; drop lm_head from the recipe")
     dense = abstract_model(cfg, dtype=jnp.dtype(dtype))
     targets = expected_tensors(dense, variable_shapes(dense), fused_experts=per_expert_layout(cfg),
                                text_prefix="model.")
@@ -317,6 +391,14 @@ def format_plan(p: Plan, *, title: str) -> str:
     for ctx in (4096, 32768, 262144):
         lines.append(f"  batch 1 at {ctx:>7,} tokens: weights + KV + state = "
                      f"{_gib(p.device_bytes + ctx * p.kv_bytes_per_token + p.gdn_bytes_per_sequence)}")
+    if p.decode:
+        d, cfg = p.decode, p.cfg
+        head = f"lm_head {p.lm_head_bytes / 1e6:,.1f} MB" if p.lm_head_bytes else "lm_head tied to the embedding"
+        lines.append(f"decode step at batch 1 reads {d['total'] / 1e6:,.1f} MB + KV {p.kv_bytes_per_token / 1e3:,.2f} "
+                     f"kB per context token (bytes ÷ memory bandwidth bounds its speed): weights "
+                     f"{d['weights'] / 1e6:,.1f} MB ({head}), routed experts {d['experts'] / 1e6:,.1f} MB "
+                     f"({cfg.num_experts_per_tok} of {cfg.num_experts}), GDN state {d['state'] / 1e6:,.1f} MB "
+                     "(read and written)")
     if p.mesh is not None:
         n = int(np.prod(list(p.mesh.values())))
         lines += ["", f"on a mesh of {n} devices ({', '.join(f'{a}={v}' for a, v in p.mesh.items())}), per device:",

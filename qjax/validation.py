@@ -42,9 +42,9 @@ from typing import IO, Any
 import numpy as np
 import re2
 
-__all__ = ["confined", "trusted_roots", "open_regular", "read_regular", "read_json", "json_depth", "Fields",
-           "REQUIRED", "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_TOKENIZER_BYTES", "MAX_TOKEN_ID", "MAX_PATTERN_CHARS",
-           "compile_pattern", "replacing", "show"]
+__all__ = ["confined", "trusted_roots", "open_regular", "read_regular", "new_folder", "read_json", "json_depth",
+           "Fields", "REQUIRED", "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_TOKENIZER_BYTES", "MAX_TOKEN_ID",
+           "MAX_PATTERN_CHARS", "compile_pattern", "replacing", "show"]
 
 # config.json, generation_config.json, tokenizer_config.json and indexes are kilobytes to a few megabytes (the 35B
 # index: 3 MB); tokenizer.json is ~11 MB. A larger "JSON" file in a checkpoint folder is not one we should parse.
@@ -183,6 +183,20 @@ def _new_temporary(folder: str, name: str) -> tuple[int, str]:
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, f"no free temporary name for {name} in {folder}")
+
+
+def new_folder(parent: str, prefix: str) -> str:
+    """A new empty folder ``parent/<prefix><random>`` with the permissions the umask gives (0755 under umask 022):
+    ``tempfile.mkdtemp``'s 0700 would make a folder renamed into place unreadable to every other user, who then
+    cannot serve the checkpoint written into it."""
+    for _ in range(100):
+        path = os.path.join(parent, f"{prefix}{os.urandom(4).hex()}")
+        try:
+            os.mkdir(path, 0o777)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary folder name {prefix}* in {parent}")
 
 
 @contextlib.contextmanager

@@ -36,12 +36,16 @@ class Server:
             self.proc.wait(30)
             raise RuntimeError(f"qjax serve exited {self.proc.returncode}: {''.join(self.stderr)[-4000:]}")
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+        self.health: list[tuple[int, str]] = []  # what /health answered while the server warmed up
         while time.monotonic() < deadline:
             try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                r = requests.get(self.url + "/health", timeout=5)
+                self.health.append((r.status_code, r.text))
+                if r.status_code == 200:
                     return
             except requests.RequestException:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         raise RuntimeError("qjax serve did not answer /health")
 
     def _drain(self) -> None:

@@ -259,7 +259,7 @@ def test_layer_config_parsing_and_bad_input(base, calib, caplog):
                   progress=False).run()
 
 
-def test_calibration_data(base, tmp_path):
+def test_calibration_data(base, tmp_path, caplog):
     folder, _ = base
     tok = load_tokenizer(folder)
     short = tmp_path / "short.txt"
@@ -267,8 +267,14 @@ def test_calibration_data(base, tmp_path):
     with pytest.raises(CalibrationError, match="7 tokens in all, fewer than one sample of seqlen 64"):
         calibration_ids(str(short), tok, nsamples=4, seqlen=64)
     # documents shorter than seqlen are packed (auto-round's concat mode) rather than dropped
-    packed = calibration_ids(str(short), tok, nsamples=4, seqlen=3)
-    assert packed.shape == (2, 3)
+    with caplog.at_level("INFO", logger="qjax.autoround"):
+        packed = calibration_ids(str(short), tok, nsamples=4, seqlen=3)
+        assert packed.shape == (2, 3)
+        # fewer samples than asked: a warning when they are tuned on, an info line for an RTN run
+        assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
+        caplog.clear()
+        assert calibration_ids(str(short), tok, nsamples=4, seqlen=3, tuned=False).shape == (2, 3)
+        assert [r.levelname for r in caplog.records] == ["INFO", "INFO"]
     jl = tmp_path / "ids.jsonl"
     jl.write_text("\n".join(json.dumps({"input_ids": list(range(i, i + 10))}) for i in range(5)))
     ids = calibration_ids(str(jl), None, nsamples=3, seqlen=8)

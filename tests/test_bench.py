@@ -58,12 +58,16 @@ def test_expected_active_experts():
 
 
 @pytest.mark.parametrize("recipe, weights_mb, experts_mb", [
-    ("bf16", 5893, 2013), ("w8a16-g32", 3629, 1069.5), ("w2w4", 2071, 283.1)])
+    ("bf16", 5893, 2013), ("w8a16-g32", 3629, 1069.5), ("w2w4", 2071, 283.1),
+    ("w2w4,lm_head=int8:channel", 2071.2 - 1017.1 + 509.1, 283.1), ("w2w4,lm_head=int4:g128", 2071.2 - 1017.1 + 262.2,
+                                                                    283.1)])
 def test_decode_bytes_of_the_real_model(recipe, weights_mb, experts_mb):
     """Bytes per batch-1 decode step of the real 35B-A3B shapes, counted from qjax's own model, against
     docs/kernels.md's independent derivation: D (BF16) 5893 MB, B′ (W8A16 g32, BF16 LM head) 3629 MB, routed
     experts INT2 g64 283 MB. (docs/kernels.md's A, 2042 MB, has the shared expert in INT2; the w2w4 preset keeps it
-    INT4 g128, +29 MB.) GDN state 2 × 63 MB fp32 + conv windows, KV ~84 MB at 4K context."""
+    INT4 g128, +29 MB.) GDN state 2 × 63 MB fp32 + conv windows, KV ~84 MB at 4K context. A quantized head replaces
+    the BF16 head's 248320 × 2048 × 2 B = 1017.1 MB: int8 per channel 248320 × (2048 + 2 B scale) = 509.1 MB, int4
+    g128 248320 × (1024 + 16 × 2 B scales) = 262.2 MB."""
     model = abstract_recipe_model(bench.load_config(), recipe)
     d = bench.decode_bytes(model, 1, 4096)
     assert (d["weights"] + d["experts"]) / 1e6 == pytest.approx(weights_mb, rel=2e-3)

@@ -75,6 +75,24 @@ def test_folder_without_tokenizer_is_a_clear_error(tmp_path):
         assert str(tmp_path) in line and "tokenizer.json" in line
 
 
+def test_tokenizer_from_another_folder(tmp_path):
+    """A checkpoint folder without tokenizer files runs with --tokenizer pointing at one that has them: the same
+    greedy text as the complete folder (generate; and perplexity through `qjax eval ppl`)."""
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(os.path.join(default_model_dir(), name), tmp_path)
+    args = ["--max-new-tokens", "6", "--no-do-sample", "It was"]
+    whole = _qjax("generate", *args)
+    split = _qjax("generate", "--model", str(tmp_path), "--tokenizer", default_model_dir(), *args)
+    assert whole.returncode == split.returncode == 0, split.stderr
+    assert split.stdout == whole.stdout and split.stdout.strip()
+    data = os.path.join(default_model_dir(), "heldout.txt")
+    ppl = [_qjax("eval", "ppl", *m, "--data", data, "--seqlen", "64", "--max-tokens", "130", "--json", "--quiet")
+           for m in (["--model", default_model_dir()], ["--model", str(tmp_path), "--tokenizer", default_model_dir()])]
+    assert all(r.returncode == 0 for r in ppl), ppl[1].stderr
+    import json
+    assert json.loads(ppl[0].stdout)["ppl"] == json.loads(ppl[1].stdout)["ppl"]
+
+
 def test_prompt_longer_than_the_context_is_a_clear_error():
     tok = Tokenizer.from_folder(default_model_dir())
     long = "word " * 5000

@@ -71,6 +71,28 @@ def test_existing_target_is_protected_and_failed_write_leaves_nothing(tiny_hf, t
     qjax.load_model(target)  # the old checkpoint is intact
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_folders_and_files_follow_the_umask(tiny_hf, tmp_path, umask):
+    """Both writers' folders and files get the permissions the umask gives (0755 / 0644 under 022), not a temporary
+    folder's 0700: another user must be able to serve the checkpoint."""
+    from qjax.autoround.rtn import quantize_model
+    from qjax.convert import save_autoround
+    from qjax.convert.planner import recipe_to_qconfig
+
+    model = qjax.load_model(tiny_hf[1])
+    quantized = quantize_model(model, recipe_to_qconfig("experts=int4:g32"))
+    old = os.umask(umask)
+    try:
+        outs = [save_pretrained(model, tmp_path / "ct"), save_autoround(quantized, tmp_path / "ar")]
+    finally:
+        os.umask(old)
+    for out in outs:
+        for root, dirs, files in os.walk(out):
+            assert os.stat(root).st_mode & 0o777 == 0o777 & ~umask, root
+            for name in files:
+                assert os.stat(os.path.join(root, name)).st_mode & 0o777 == 0o666 & ~umask, name
+
+
 @pytest.mark.slow  # > 7 s on 2 cores: out of the fast loop (RESULTS.md, suite time)
 def test_write_back_is_byte_identical(ct_ckpt, tmp_path):
     from qjax.checkpoint.safetensors_io import SafetensorsFile

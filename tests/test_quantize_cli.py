@@ -66,7 +66,8 @@ def test_kill_then_resume_equals_uninterrupted(base, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not os.path.exists(out)
-    p = _run(*args, "--resume", env=env)
+    p = _run(*[x for x in args if x != "--quiet"], "--resume", env=env)
+    assert re.search(r"--resume: [2-4] of 4 blocks reused from ", p.stderr), p.stderr[-3000:]
     assert os.path.isdir(out) and not os.path.exists(progress_dir_for(out))
     report = json.load(open(os.path.join(out, "qjax_autoround.json")))
     assert [r["index"] for r in report] == [0, 1, 2, 3]
@@ -289,13 +290,22 @@ def test_seed_line_1_writes_both_formats_with_the_same_logits(base, tmp_path, al
 
 @pytest.mark.slow
 def test_seed_line_2_mxfp8_rtn_ignore_layers(base, tmp_path):
-    """``--model_name``, ``--algorithm rtn``, ``--ignore_layers``, and the no-effect flags noted one line each."""
+    """``--model_name``, ``--algorithm rtn``, ``--ignore_layers``, and the no-effect flags noted one line each; the
+    calibration source named; an RTN run asking for more samples than the file holds is not warned about it, and
+    ignored names that match no quantizable layer (``lm_head``, ``mlp.gate``, …) are not called layer_config
+    patterns."""
     folder, calib = base
     out = tmp_path / "mxfp8"
-    p = _run("--model_name", folder, "--dataset", calib, "--output_dir", str(out), "--nsamples", "2",
-             "--seqlen", str(SEQLEN), "--quiet", *SEED2)
+    p = _run("--model_name", folder, "--dataset", calib, "--output_dir", str(out), "--nsamples", "100000",
+             "--seqlen", str(SEQLEN), *SEED2)
     notes = [ln for ln in p.stderr.splitlines() if ln.startswith("note: ")]
     assert len(notes) == 2 and "--device_map" in notes[0] and "--disable_low_cpu_mem_usage" in notes[1], p.stderr
+    assert f"calibration data: {calib} (--dataset)" in p.stderr, p.stderr
+    assert re.search(r"calibration: \d+ samples of \d+ tokens from ", p.stderr), p.stderr
+    assert "--layer_config pattern" not in p.stderr and "--ignore_layers 'mlp.gate': no quantizable layer" in p.stderr
+    q = _run("--model_name", folder, "--dataset", calib, "--output_dir", str(tmp_path / "quiet"), "--nsamples",
+             "100000", "--seqlen", str(SEQLEN), "--quiet", *SEED2)
+    assert "calibration" not in q.stderr and "--ignore_layers" not in q.stderr, q.stderr  # no warning left
     qc = json.load(open(out / "config.json"))["quantization_config"]
     ignored = set(qc["ignore"])
     tensors = read_tensors(str(out))

@@ -478,3 +478,23 @@ def test_a_request_whose_decode_fails_on_the_device_ends_alone(model, engine, mo
     assert out.finish_reason == "error" and "its decode call failed (RuntimeError: simulated" in out.error
     assert 2 <= len(outs.tokens["bad"]) < 24
     assert outs.tokens["bad"] == alone(model, bad_prompt, bad_sp)[:len(outs.tokens["bad"])]
+
+
+def test_compile_times_split_a_first_call_into_its_stages():
+    """compile_times: the trace, lowering and XLA compile of this thread's first call are counted; a second call of
+    the same program adds nothing; another thread's compile is not counted."""
+    import threading
+
+    from qjax.serving.engine import compile_times
+
+    f = jax.jit(lambda x: jnp.sin(x) * 3 + 1)
+    x = jnp.arange(7.0)
+    with compile_times() as parts:
+        f(x).block_until_ready()
+    assert {"trace", "lower", "compile"} <= set(parts) and all(v > 0 for v in parts.values()), parts
+    with compile_times() as again:
+        f(x).block_until_ready()
+        t = threading.Thread(target=lambda: jax.jit(lambda y: y - 2)(x).block_until_ready())
+        t.start()
+        t.join()
+    assert again == {}, again

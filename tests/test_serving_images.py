@@ -360,7 +360,7 @@ def test_image_limit_zero_skips_the_tower(vl_dir, monkeypatch, capsys):
     from qjax.serving.protocol import ApiError, ImagePart
 
     served = []
-    monkeypatch.setattr(serve, "serve_app", lambda app, engine, *a: served.append(app.state.server) or 0)
+    monkeypatch.setattr(serve, "serve_app", lambda app, engine, *a, **k: served.append(app.state.server) or 0)
     for limit, tower in (('{"image": 0, "video": 0}', False), ("image=1", True)):
         capsys.readouterr()
         assert main(["serve", vl_dir, *SERVE_FLAGS, "--limit-mm-per-prompt", limit]) == 0
@@ -425,3 +425,62 @@ def test_large_image_uploads_take_memory_one_request_at_a_time_and_give_it_back(
     # under 1 GB over the baseline; twelve at once would be several GB
     assert peak[0] - before < 1 << 30, (before >> 20, peak[0] >> 20)
     assert after - before < 200 << 20, (before >> 20, peak[0] >> 20, after >> 20)
+
+
+@pytest.mark.slow  # the warm-up compiles every program (~30 on this model): minutes on 2 cores
+def test_no_request_compiles_after_the_warm_up(vl_dir, model):
+    """After Engine.warmup (what `qjax serve` runs before /health says 200), a mixed stream through the HTTP app —
+    plain, logprobs, echo with prompt log-probabilities, n > 1 sampled, stop strings, a prompt longer than a prefill
+    chunk, streamed chat with top_logprobs, images of several sizes, requests at once — traces and lowers nothing."""
+    import concurrent.futures
+
+    import jax.monitoring
+    from starlette.testclient import TestClient
+
+    from qjax.serving.api import ServerState, create_app
+    from qjax.serving.metrics import ServerMetrics
+
+    engine = Engine(model, CFG, eos_token_ids=EOS)
+    plan = [what for what, _ in engine.warmup_plan()]
+    assert any("images" in w for w in plan) and any(w.startswith("vision tower") for w in plan)
+    engine.warmup()
+    engine.start()
+    tok = Tokenizer.from_folder(vl_dir)
+    app = create_app(ServerState(engine=engine, tokenizer=tok, served_names=("vl",), root=vl_dir,
+                                 metrics=ServerMetrics("vl")))
+    counting = threading.Event()
+    seen: list[str] = []
+
+    def listener(event, duration, **kw):
+        if counting.is_set() and event in ("/jax/core/compile/jaxpr_trace_duration",
+                                           "/jax/core/compile/jaxpr_to_mlir_module_duration"):
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    words = " ".join(f"w{i}" for i in range(100, 300))  # 200 tokens: more than one 128-token prefill chunk
+    bodies = [
+        ("/v1/completions", {"prompt": "w1 w2 w3", "max_tokens": 5, "temperature": 0}),
+        ("/v1/completions", {"prompt": "w4 w5", "max_tokens": 4, "logprobs": 3}),
+        ("/v1/completions", {"prompt": "w6 w7 w8 w9", "max_tokens": 0, "echo": True, "logprobs": 1}),
+        ("/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 3, "prompt_logprobs": 2}),
+        ("/v1/completions", {"prompt": "w10", "max_tokens": 6, "n": 3, "temperature": 0.9, "top_k": 20,
+                             "top_p": 0.9, "seed": 5}),
+        ("/v1/completions", {"prompt": "w11 w12", "max_tokens": 8, "stop": ["w3"], "temperature": 0}),
+        ("/v1/completions", {"prompt": words, "max_tokens": 4, "temperature": 0}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w20 w21"}], "max_tokens": 4,
+                                  "logprobs": True, "top_logprobs": 2, "stream": True}),
+        ("/v1/chat/completions", chat_body(data_uri(IMAGES[0]), max_tokens=3)),
+        ("/v1/chat/completions", chat_body(data_uri(IMAGES[2]), data_uri(IMAGES[3]), max_tokens=3)),
+        ("/v1/chat/completions", chat_body(data_uri(random_image(120, 90, seed=9)), max_tokens=3)),
+    ]
+    try:
+        with TestClient(app) as client:
+            counting.set()
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                got = list(pool.map(lambda b: client.post(b[0], json=b[1]), bodies))
+            counting.clear()
+        assert all(r.status_code == 200 for r in got), [r.text[:300] for r in got]
+    finally:
+        counting.clear()
+        engine.shutdown()
+    assert seen == [], f"{len(seen)} programs traced or lowered after the warm-up"

@@ -259,3 +259,17 @@ def test_the_cli_states_the_image_bounds_the_library_uses():
 
     assert (serve.DEFAULT_MAX_IMAGE_PIXELS, serve.DEFAULT_MAX_IMAGE_BYTES) == (DEFAULT_MAX_IMAGE_PIXELS,
                                                                                DEFAULT_MAX_IMAGE_BYTES)
+
+
+def test_a_starting_server_answers_503_with_its_progress(client):
+    state = client.app.state.server
+    state.ready, state.startup = False, {"programs": 12, "compiled": 5, "last": "decode rows=1 kv_len=256"}
+    try:
+        h = client.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "starting" and h.json()["compiled"] == 5
+        assert client.get("/ping").status_code == 503 and client.get("/version").status_code == 200
+        _refused(client.post("/v1/completions", json={"prompt": "x"}, headers=AUTH), 503,
+                 "the server is starting: compiling its programs (5 of 12 programs compiled)")
+    finally:
+        state.mark_ready()
+    assert client.get("/health").status_code == 200 and client.get("/health").text == ""

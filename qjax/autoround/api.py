@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -23,7 +22,7 @@ from qjax.checkpoint.hub import default_model_dir
 from qjax.checkpoint.view import Checkpoint
 from qjax.convert.autoround_writer import save_autoround
 from qjax.convert.hf_writer import preflight, save_pretrained
-from qjax.program_cache import ProgramCache
+from qjax.program_cache import ProgramCache, program_cache, use_compile_cache
 from qjax.quant.unquantized import kept_part
 
 from . import progress as prog
@@ -109,7 +108,8 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
                          "--format llm_compressor for MXFP8")
     read_documents(dataset)  # a broken calibration file is reported now, not after loading the model
     if not resume:
-        preflight(output_dir, (len(dirs) + 1) * _output_bytes(model_dir, cfg))  # the output + the progress blocks, at the end
+        # the output + the progress blocks, at the end
+        preflight(output_dir, (len(dirs) + 1) * _output_bytes(model_dir, cfg))
     # text only: AutoRound tunes the decoder; the export copies the tower from the source as stored
     model = qjax.load_model(model_dir, dtype=jnp.dtype(dtype) if dtype else None, text_only=True)
     tokenizer = None
@@ -118,7 +118,8 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
     except ValueError:
         pass  # only needed for text data; calibration_ids says so when it is
     ids = calibration_ids(dataset, tokenizer, nsamples=cfg.nsamples, seqlen=cfg.seqlen, seed=cfg.seed,
-                          vocab_size=model.config.vocab_size)
+                          vocab_size=model.config.vocab_size, tuned=cfg.iters > 0)
+    logger.info("calibration: %d samples of %d tokens from %s", ids.shape[0], ids.shape[1], dataset)
     fingerprint = {"model": os.path.abspath(model_dir), "dtype": str(model.dtype), "format": fmt,
                    "calibration_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
                    **{k: v for k, v in cfg.to_dict().items() if k != "chunk"}}
@@ -201,15 +202,16 @@ def config_from_args(a) -> AutoRoundConfig:
             fields[k] = getattr(a, k)
     if a.asym:
         fields["sym"] = False
-    layer_config = {**parse_layer_config(a.layer_config), **ignore_layers_config(a.ignore_layers)}
+    ignore = ignore_layers_config(a.ignore_layers)
+    layer_config = {**parse_layer_config(a.layer_config), **ignore}
     iters = 0 if algorithm_from_args(a) == "rtn" else a.iters
     return AutoRoundConfig(
-        **fields, layer_config=layer_config, iters=iters, nsamples=a.nsamples,
+        **fields, layer_config=layer_config, ignore_layers=tuple(ignore), iters=iters, nsamples=a.nsamples,
         seqlen=a.seqlen, batch_size=a.batch_size, lr=a.lr, minmax_lr=a.minmax_lr,
         enable_minmax_tuning=not a.disable_minmax_tuning, enable_quanted_input=not a.disable_quanted_input,
         enable_alg_ext=a.enable_alg_ext, disable_opt_rtn=True if a.disable_opt_rtn else None,
         not_use_best_mse=a.not_use_best_mse, scale_dtype=a.scale_dtype, static_kv_dtype=a.static_kv_dtype,
-        static_kv_granularity=a.static_kv_granularity, seed=a.seed)
+        static_kv_granularity=a.static_kv_granularity, quant_lm_head=a.quant_lm_head, seed=a.seed)
 
 
 def algorithm_from_args(a) -> str:
@@ -242,103 +244,6 @@ NO_EFFECT = {
     "low_cpu_mem_usage": "--low_cpu_mem_usage has no effect in qjax (the checkpoint is read lazily from its "
                          "safetensors)",
 }
-
-
-def add_arguments(p) -> None:
-    """``qjax quantize`` flags, named as auto-round's CLI names them."""
-    p.add_argument("model_pos", nargs="?", default=None, metavar="model",
-                   help="checkpoint folder, as auto-round's positional model (same as --model)")
-    p.add_argument("--model", "--model_name", "--model_name_or_path", dest="model", default=None,
-                   help="BF16/FP32 checkpoint folder (default: the built-in model)")
-    p.add_argument("--dataset", default=None,
-                   help="local calibration file: .txt (blank-line separated documents), .jsonl ('text' or "
-                        "'input_ids' per line) or .json list (default: the built-in model's calib.txt)")
-    p.add_argument("--output_dir", required=True, help="the quantized checkpoint folder")
-    p.add_argument("--format", "--formats", default="llm_compressor",
-                   help="llm_compressor, auto_round, or several separated by ',' (one tuning run; as auto-round, "
-                        "several formats go to OUTPUT_DIR/llm-compressor and OUTPUT_DIR/auto-round)")
-    p.add_argument("--algorithm", "--algorithms", "--alg", "--algs", default=None,
-                   help="auto_round (SignRound tuning) or rtn (round to nearest: same as --iters 0); by default "
-                        "auto_round, or rtn with --iters 0")
-    p.add_argument("--ignore_layers", "--fp_layers", default="",
-                   help="comma-separated layer names kept in the model dtype, matched as auto-round does (a name "
-                        "catches every layer it is a substring of or whose name its regex form matches; "
-                        "'layers.1' becomes 'layers.1.')")
-    p.add_argument("--scheme", default=None, help="preset: W4A16, W2A16, W2A16G64, W2A16G32, W8A16, MXFP8")
-    p.add_argument("--bits", type=int, default=None, help="weight bits (default: 4, or the --scheme's)")
-    p.add_argument("--group_size", type=int, default=None, help="default: 128, or the --scheme's; -1 = per channel")
-    p.add_argument("--asym", action="store_true", help="asymmetric INT (default symmetric, full range)")
-    p.add_argument("--data_type", default=None, choices=["int", "mx_fp"], help="default: int, or the --scheme's")
-    p.add_argument("--layer_config", default=None,
-                   help="per-layer overrides, e.g. '{\".*experts.*\": {\"bits\": 2, \"group_size\": 64}}'")
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--nsamples", "--nsample", type=int, default=128)
-    p.add_argument("--seqlen", "--seq_len", type=int, default=2048)
-    p.add_argument("--batch_size", "--train_bs", "--bs", type=int, default=8)
-    p.add_argument("--lr", type=float, default=None, help="default: 1/iters (auto-round's)")
-    p.add_argument("--minmax_lr", type=float, default=None, help="default: --lr")
-    p.add_argument("--disable_minmax_tuning", action="store_true")
-    p.add_argument("--disable_quanted_input", action="store_true")
-    p.add_argument("--enable_alg_ext", action="store_true")
-    p.add_argument("--disable_opt_rtn", action="store_true")
-    p.add_argument("--not_use_best_mse", action="store_true")
-    p.add_argument("--scale_dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    p.add_argument("--static_kv_dtype", default=None, choices=["fp8"])
-    p.add_argument("--static_kv_granularity", default="tensor", choices=["tensor", "head"])
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                   help="dtype the blocks run in (default: the checkpoint's)")
-    p.add_argument("--resume", action="store_true", help="continue a killed run from its last finished block")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--compile_cache", default=None, metavar="DIR",
-                   help="folder of compiled tuning steps, reused across blocks and runs; 'off' to disable (default: "
-                        f"${xla_env.COMPILE_CACHE_ENV}, else ~/.cache/qjax/jax)")
-    g = p.add_argument_group("auto-round flags accepted with no effect in qjax (a note on stderr each)")
-    g.add_argument("--device_map", "--device", "--devices", default=None)
-    tc = g.add_mutually_exclusive_group()
-    tc.add_argument("--enable_torch_compile", dest="enable_torch_compile", action="store_true", default=None)
-    tc.add_argument("--disable_torch_compile", dest="enable_torch_compile", action="store_false", default=None)
-    g.add_argument("--disable_low_cpu_mem_usage", action="store_true")
-    g.add_argument("--low_cpu_mem_usage", action="store_true")
-    for act in p._actions:  # --help shows every default
-        if act.help == argparse.SUPPRESS or act.dest in ("help", "model_pos") or act.default in (None, False, "") \
-                or "default" in (act.help or ""):
-            continue
-        act.help = (act.help + " " if act.help else "") + "(default: %(default)s)"
-
-    parse_known = p.parse_known_args
-
-    def parse_known_args(args=None, namespace=None):
-        # a misspelled flag is reported with this subcommand's usage, not the top-level one
-        ns, extras = parse_known(args, namespace)
-        if extras:
-            p.error(f"unrecognized arguments: {' '.join(extras)}")
-        return ns, extras
-
-    p.parse_known_args = parse_known_args
-
-
-def use_compile_cache(path: str | None) -> str | None:
-    """Point JAX's persistent compilation cache at ``path`` (created if missing; None leaves it off) for this
-    process. Every program is stored (``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` raises the threshold; JAX's own
-    default, 1 s, kept the ~1,200 small programs of a run out: per-unit min/max, scale search, packing, the quantized
-    layer's forward, which then recompiled in every process — on the built-in model, 10 iterations, a warm run took
-    27.7 s with it and 14.0 s storing all, first block 17.5 → 5.7 s, cache 1.1 → 3.7 MB); a later run of the same
-    program, jax version and machine loads them instead of compiling."""
-    if path is None:
-        return None
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                      float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")))
-    return path
-
-
-def program_cache(compile_cache: str | None) -> ProgramCache | None:
-    """The traced programs' store that goes with a compilation cache folder: its ``qjax-programs`` subfolder (JAX's
-    own cache files are ``*-cache`` at the top), None when the cache is off."""
-    return None if compile_cache is None else ProgramCache(os.path.join(compile_cache, "qjax-programs"))
 
 
 def use_cpu_devices(batch_size: int, environ=os.environ) -> int | None:
@@ -374,6 +279,9 @@ def cli(a) -> int:
     use_cpu_devices(cfg.batch_size)
     model_dir = a.model or default_model_dir()
     dataset = a.dataset or os.path.join(model_dir, "calib.txt")
+    if not a.quiet:
+        source = "--dataset" if a.dataset else "no --dataset: the model folder's calib.txt"
+        print(f"calibration data: {dataset} ({source})", file=sys.stderr)
     if not a.quiet:
         logging.getLogger("qjax.autoround").setLevel(logging.INFO)
         if not logging.getLogger().handlers:

@@ -74,6 +74,10 @@ def build_quantized_model(ar):
                 entries.update(_module_entries(module, re_, cfg.scale_dtype))
                 groups.setdefault(ws, []).append(module)
                 quantized_modules.add(module)
+    if ar.head_result is not None:
+        entries.update(_module_entries("lm_head", ar.head_result, cfg.scale_dtype))
+        groups.setdefault(schemes.from_autoround(ar.head_result.scheme, cfg.scale_dtype), []).append("lm_head")
+        quantized_modules.add("lm_head")
     kv = None
     if ar.kv_scales:
         strategy = "attn_head" if cfg.static_kv_granularity == "head" else "tensor"
@@ -82,7 +86,8 @@ def build_quantized_model(ar):
             for name, s in (("k_scale", ks), ("v_scale", vs)):
                 arr = np.asarray(s, np.float32).reshape(-1)
                 entries[f"model.layers.{i}.self_attn.{name}"] = (arr.shape, "F32", (lambda a=arr: a))
-    ignore = sorted(n for n in ar.names if n not in quantized_modules) + ["lm_head"]
+    ignore = sorted(n for n in ar.names if n not in quantized_modules) + ([] if "lm_head" in quantized_modules
+                                                                          else ["lm_head"])
     qc = QuantizationConfig(groups=tuple((f"group_{j}", tuple(v), k) for j, (k, v) in enumerate(groups.items())),
                             ignore=tuple(ignore), kv_cache=kv)
     merged: dict[str, tuple] = {}

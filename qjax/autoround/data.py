@@ -105,10 +105,13 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
 
 def calibration_ids(path, tokenizer, *, nsamples: int, seqlen: int, seed: int = 42,
-                    vocab_size: int | None = None) -> np.ndarray:
-    """``[n, seqlen]`` int32 calibration samples, ``n = min(nsamples, what the file holds)``."""
+                    vocab_size: int | None = None, tuned: bool = True) -> np.ndarray:
+    """``[n, seqlen]`` int32 calibration samples, ``n = min(nsamples, what the file holds)``. Fewer samples than asked
+    (or packed ones) are a warning when the samples are ``tuned`` on, an info line otherwise (an RTN run uses them
+    for its imatrix at most)."""
     if nsamples < 1 or seqlen < 2:
         raise CalibrationError(f"nsamples ({nsamples}) must be ≥ 1 and seqlen ({seqlen}) ≥ 2")
+    level = logging.WARNING if tuned else logging.INFO
     docs = read_documents(path, vocab_size=vocab_size)
     random.Random(seed).shuffle(docs)
     need_tok = any(isinstance(d, str) for d in docs)
@@ -130,11 +133,12 @@ def calibration_ids(path, tokenizer, *, nsamples: int, seqlen: int, seed: int = 
             raise CalibrationError(f"{path}: {total} tokens in all, fewer than one sample of seqlen {seqlen}; "
                                    "pass a smaller --seqlen or more text")
         n = min(nsamples, total // seqlen)
-        logger.warning("%s: %d documents have ≥ %d tokens (need %d); packing the concatenated text into %d samples",
-                       path, len(long), seqlen, nsamples, n)
+        logger.log(level, "%s: %d documents have ≥ %d tokens (need %d); packing the concatenated text into %d "
+                   "samples", path, len(long), seqlen, nsamples, n)
         out = np.asarray(stream[: n * seqlen], np.int32).reshape(n, seqlen)
     if len(out) < nsamples:
-        logger.warning("%s: only %d calibration samples of %d tokens (asked for %d)", path, len(out), seqlen, nsamples)
+        logger.log(level, "%s: only %d calibration samples of %d tokens (asked for %d)", path, len(out), seqlen,
+                   nsamples)
     if vocab_size is not None and out.size and (out.max() >= vocab_size or out.min() < 0):  # the tokenizer's ids
         raise CalibrationError(f"{path}: the tokenizer gives token id {int(out.max())}, outside the model's "
                                f"vocabulary ({vocab_size} tokens)")

@@ -38,7 +38,7 @@ from qjax.model.config import FULL
 from qjax.program_cache import ProgramCache
 from qjax.quant.packing import pack_int32
 
-from . import blocks
+from . import blocks, head
 from . import progress as prog
 from .assemble import build_quantized_model, dequantize_result
 from .data import IndexSampler
@@ -48,8 +48,7 @@ from .qdq import (
     fp8_kv_scale,
     init_params,
     opt_rtn_int_sym,
-    qdq_int_asym,
-    qdq_int_sym,
+    qdq_unit,
     quantize_mxfp8,
     search_scales,
     weight_minmax,
@@ -79,6 +78,7 @@ class AutoRoundConfig:
     sym: bool = True
     data_type: str = "int"
     layer_config: dict = dataclasses.field(default_factory=dict)  # parsed: {pattern: {bits, group_size, sym, …}}
+    ignore_layers: tuple[str, ...] = ()  # the layer_config patterns that --ignore_layers added (reported as its own)
     iters: int = 200
     nsamples: int = 128
     seqlen: int = 2048
@@ -93,6 +93,7 @@ class AutoRoundConfig:
     scale_dtype: str = "float16"
     static_kv_dtype: str | None = None  # "fp8"
     static_kv_granularity: str = "tensor"  # "tensor" | "head"
+    quant_lm_head: bool = False  # the LM head too (qjax.autoround.head: auto-round's rules)
     seed: int = 42
     chunk: int = 10  # iterations per jitted scan between progress updates (no effect on the result)
 
@@ -125,14 +126,7 @@ def _scale_dtype(cfg: AutoRoundConfig):
 
 def _qdq(w, p, c, s: Scheme, cfg: AutoRoundConfig):
     """→ (dequantized w, scale, zp or None, q) for tunable params ``p`` and constants ``c``."""
-    if s.sym:
-        wdq, scale, q = qdq_int_sym(w, p["v"], p["alpha"], p["beta"], c["wmin"], c["wmax"], bits=s.bits,
-                                    group_size=s.group_size, scale_dtype=_scale_dtype(cfg),
-                                    init_scale=c.get("init_scale"))
-        return wdq, scale, None, q
-    wdq, scale, zp, q = qdq_int_asym(w, p["v"], p["alpha"], p["beta"], c["wmin"], c["wmax"], bits=s.bits,
-                                     group_size=s.group_size, scale_dtype=_scale_dtype(cfg))
-    return wdq, scale, zp, q
+    return qdq_unit(w, p, c, s, _scale_dtype(cfg))
 
 
 def _is_tunable(s: Scheme) -> bool:
@@ -173,7 +167,13 @@ class AutoRound:
         self.progress, self.on_block = progress, on_block
         self.layers = blocks.decoder_layers(model)
         self.names = self._all_linear_names()
-        self.schemes = resolve(self.names, cfg.base_scheme, cfg.layer_config)
+        self.head_unit = head.unit(self.mcfg)
+        with_head = head.wanted(cfg.base_scheme, cfg.quant_lm_head, cfg.layer_config, model.lm_head is None)
+        self.schemes = resolve({**self.names, **({head.NAME: self.head_unit.shape} if with_head else {})},
+                               cfg.base_scheme, cfg.layer_config, ignored=cfg.ignore_layers)
+        head_scheme = self.schemes.pop(head.NAME, None)
+        self.head_scheme = head_scheme if head_scheme is not None and head_scheme.quantized else None
+        self.head_result: UnitResult | None = None
         self.results: dict[int, dict[str, UnitResult]] = {}
         self.kv_scales: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.reports: list[BlockReport] = []
@@ -229,6 +229,9 @@ class AutoRound:
     def run(self) -> dict[int, dict[str, UnitResult]]:
 
         done = prog.load(self) if self.resume else 0
+        if self.resume:
+            logger.info("--resume: %d of %d blocks reused from %s%s", done, len(self.layers), self.progress_dir,
+                        "" if done < len(self.layers) else " (all of them: only the export is left)")
         if not self.resume and self.progress_dir:
             prog.start(self)
         # plain RTN (iters 0, no imatrix, no KV scales) needs no calibration forward at all, as in auto-round
@@ -261,6 +264,8 @@ class AutoRound:
                 self.kv_scales[i] = self._kv_scales(qlayer, q_in)
             fp_in, q_in = fp_out, q_out
             self._finish_block(report, t0)
+        if self.head_scheme is not None:
+            self._quantize_head(fp_in, q_in)
         return self.results
 
     def _needs_streams(self) -> bool:
@@ -278,6 +283,63 @@ class AutoRound:
         self.results[i], _ = self._quantize_block(i, layer, units, None, None, {})
         self._finish_block(report, t0)
 
+    def _quantize_head(self, fp_h, q_h) -> None:
+        """The LM head after the last block (:mod:`.head`): tuned on the final-norm streams when ``iters`` > 0, else
+        RTN. Not saved to the progress folder: a resumed run recomputes the streams through every block anyway."""
+        t0 = time.perf_counter()
+        u, s = self.head_unit, self.head_scheme
+        report = BlockReport(index=len(self.layers), kind=head.NAME, units=1)
+        x = {}
+        if fp_h is not None and self.cfg.iters > 0:
+            norm = jax.jit(lambda h: self.model.norm(h))
+            x["fp"] = norm(fp_h)
+            x["q"] = norm(q_h) if self.cfg.enable_quanted_input else x["fp"]
+        tuner = functools.partial(self._tune_head, x_q=x.get("q"), x_f=x.get("fp"))
+        res, stats = self._quantize_block(report.index, head.HeadBlock(self.model.lm_head), [(u, s)], None, None, {},
+                                          tuner=tuner)
+        self.head_result = res[u.name]
+        report.init_loss, report.best_loss, report.best_iter, report.iter_seconds, report.compile_seconds = stats
+        report.seconds = time.perf_counter() - t0
+        self.reports.append(report)
+        logger.info("%s", report.line(len(self.layers)))
+
+    def _tune_head(self, i, layer, units, weights, consts, params, x_in, fp_out, *, x_q, x_f):
+        """:meth:`_tune` for the head (one device; the minibatch's samples one at a time, :mod:`.head`)."""
+        cfg = self.cfg
+        [(u, s)] = units
+        opt, step = head.tuning_step(s, cfg.scale_dtype, self._alpha_max(s), self._lr(s), cfg.iters)
+        n, t = x_q.shape[:2]
+        sampler = IndexSampler(n, cfg.batch_size, cfg.seed)
+        mask = np.ones((t, 1), np.float32)
+        mask[-1] = 0.0  # each sample's last position, as the blocks
+        mask = jnp.asarray(mask)
+        w, c = weights[u.path], consts[u.name]
+        params = {u.name: params[u.name]}
+        carry = (params, opt.init(params), jnp.asarray(jnp.inf, jnp.float32), params, jnp.asarray(0, jnp.int32),
+                 jnp.asarray(-1, jnp.int32))
+        bar = _bar(self.progress, cfg.iters, head.NAME)
+        losses, chunks, it = [], [], 0
+        while it < cfg.iters:
+            k = min(cfg.chunk, cfg.iters - it)
+            idx = jnp.asarray([sampler.next_batch() for _ in range(k)], jnp.int32)
+            t0 = time.perf_counter()
+            carry, chunk_losses = step(carry, idx, w, c, x_q, x_f, mask)
+            chunk_losses = np.asarray(chunk_losses)
+            chunks.append((k, time.perf_counter() - t0))
+            losses.extend(chunk_losses.tolist())
+            it += k
+            if bar is not None:
+                bar.update(k)
+                bar.set_postfix(loss=f"{chunk_losses[-1]:.3e}", best=f"{float(carry[2]):.3e}")
+        if bar is not None:
+            bar.close()
+        params, _, best, best_params, _, best_iter = carry
+        final = params if cfg.not_use_best_mse else best_params
+        per_iter = [sec / k for k, sec in chunks[1:] if k == cfg.chunk] or [chunks[0][1] / chunks[0][0]]
+        iter_s = float(np.median(per_iter))
+        return final, (float(losses[0]), float(best), int(best_iter), iter_s,
+                       max(0.0, chunks[0][1] - chunks[0][0] * iter_s))
+
     def _finish_block(self, report: BlockReport, t0: float) -> None:
 
         report.seconds = time.perf_counter() - t0
@@ -289,7 +351,7 @@ class AutoRound:
         logger.info("%s", report.line(len(self.layers)))
 
     # -- one block ----------------------------------------------------------------------------------------------------
-    def _quantize_block(self, i, layer, units, x_in, fp_out, imatrix):
+    def _quantize_block(self, i, layer, units, x_in, fp_out, imatrix, tuner=None):
         cfg = self.cfg
         weights = blocks.weights_of(layer)
         # one program per block structure for the start and the end of a block (not op by op: on the first block of
@@ -299,7 +361,7 @@ class AutoRound:
         tune = cfg.iters > 0 and bool(params)
         stats = (None, None, None, None, None)
         if tune:
-            params, stats = self._tune(i, layer, units, weights, consts, params, x_in, fp_out)
+            params, stats = (tuner or self._tune)(i, layer, units, weights, consts, params, x_in, fp_out)
         plan = tuple((u, s, self._opt_rtn(s, u), self._alpha_max(s)) for u, s in units)
         codes = jax.device_get(_end_fn(plan, cfg.scale_dtype, self.programs)(weights, params, consts, imatrix))
         out: dict[str, UnitResult] = {}

@@ -318,6 +318,19 @@ def qdq_int_asym(
     return w_dq, s, zp_int, jax.lax.stop_gradient(q).astype(jnp.int32).reshape(w.shape)
 
 
+def qdq_unit(w, p: dict, c: dict, s, scale_dtype):
+    """One unit's quantize-dequantize under scheme ``s`` (a :class:`.schemes.Scheme`, symmetric or asymmetric int)
+    with its tunable ``p`` (v, alpha, beta) and frozen ``c`` (wmin, wmax, alg_ext's init_scale) → ``(dequantized w,
+    scale, zp or None, q)``: what the blocks' loss, the end of a block and the head's loss all quantize with."""
+    if s.sym:
+        wdq, scale, q = qdq_int_sym(w, p["v"], p["alpha"], p["beta"], c["wmin"], c["wmax"], bits=s.bits,
+                                    group_size=s.group_size, scale_dtype=scale_dtype, init_scale=c.get("init_scale"))
+        return wdq, scale, None, q
+    wdq, scale, zp, q = qdq_int_asym(w, p["v"], p["alpha"], p["beta"], c["wmin"], c["wmax"], bits=s.bits,
+                                     group_size=s.group_size, scale_dtype=scale_dtype)
+    return wdq, scale, zp, q
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # imatrix-weighted initial scale search (alg_ext, opt-RTN)
 # ---------------------------------------------------------------------------------------------------------------------

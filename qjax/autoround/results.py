@@ -39,7 +39,8 @@ class BlockReport:
 
     def line(self, num_blocks: int) -> str:
         """The one line a run reports when this block is finished (1-based, as auto-round counts blocks)."""
-        head = f"block {self.index + 1}/{num_blocks} ({self.kind}): {self.units} units"
+        head = (f"block {self.index + 1}/{num_blocks} ({self.kind}): {self.units} units" if self.index < num_blocks
+                else self.kind)  # the LM head, after the blocks
         if self.best_loss is None:
             return f"{head}, RTN, {self.seconds:.1f} s"
         speed = "" if self.iter_seconds is None else f" ({self.iter_seconds * 1e3:.0f} ms/iter)"

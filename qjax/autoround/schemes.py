@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from qjax.checkpoint.auto_round import standard_regex
@@ -256,33 +257,30 @@ def parse_layer_config_text(s: str) -> dict:
         raise LayerConfigError(f"--layer_config: cannot parse {s!r}: {e}") from None
 
 
-def resolve(names: dict[str, tuple[int, int]], base: Scheme,
-            layer_config: dict[str, dict[str, Any]]) -> dict[str, Scheme]:
+def resolve(names: dict[str, tuple[int, int]], base: Scheme, layer_config: dict[str, dict[str, Any]], *,
+            ignored: Iterable[str] = ()) -> dict[str, Scheme]:
     """Scheme per module name.
 
     Args:
       names: every quantizable linear → (out_features, in_features).
       base: the global scheme.
       layer_config: parsed ``--layer_config`` (dict order = precedence, later wins).
+      ignored: the patterns of ``layer_config`` that ``--ignore_layers`` put there (:func:`ignore_layers_config`).
     Returns:
       module name → Scheme (``bits >= 16``: left unquantized, by request or because its shape does not fit).
-    Warns for a pattern that matches nothing.
+    Warns for a ``--layer_config`` pattern that matches nothing; an ``--ignore_layers`` name that keeps no quantizable
+    layer (the router, an untouched ``lm_head``, a typo) is an info line under its own flag's name.
     """
     check_scheme(base, "global scheme")
     check_kept_unquantized(base, layer_config)
-    compiled = []
-    for pat, opts in layer_config.items():
-        try:
-            compiled.append((pat, re.compile(standard_regex(pat)), opts))
-        except re.error as e:
-            raise LayerConfigError(f"--layer_config pattern {pat!r} is not a valid regex: {e}") from None
+    compiled = _compile(layer_config)
     hits = {pat: 0 for pat in layer_config}
     partial: dict[tuple[int, int], list[str]] = {}  # (in_features, group) → layers left unquantized for it
     out: dict[str, Scheme] = {}
     for name, (n_out, n_in) in names.items():
         s = base
         for pat, rx, opts in compiled:
-            if name == pat or rx.search(name):
+            if _matches(name, pat, rx):
                 hits[pat] += 1
                 s = layer_scheme(s, opts)
         check_scheme(s, f"{name} (from --layer_config)")
@@ -299,8 +297,12 @@ def resolve(names: dict[str, tuple[int, int]], base: Scheme,
     for (n_in, gs), which in partial.items():  # one line per shape, not one per expert
         logger.warning("%d layers with in_features %d (not a multiple of group_size %d) are left unquantized: %s",
                        len(which), n_in, gs, ", ".join(which[:3]) + (", …" if len(which) > 3 else ""))
+    ignored = set(ignored)
     for pat, n in hits.items():
-        if n == 0:
+        if n == 0 and pat in ignored:
+            logger.info("--ignore_layers %r: no quantizable layer matches (already kept in the model dtype, or "
+                        "misspelled)", pat.removesuffix("."))
+        elif n == 0:
             logger.warning("--layer_config pattern %r matches no quantizable layer", pat)
     if names and not any(s.quantized for s in out.values()):
         # exit 0 with a float folder would look like success; say which shapes the requested groups missed
@@ -311,3 +313,22 @@ def resolve(names: dict[str, tuple[int, int]], base: Scheme,
         raise LayerConfigError("nothing would be quantized: every layer is kept in float by the scheme, "
                                "--layer_config or --ignore_layers")
     return out
+
+
+def _compile(layer_config: dict[str, dict[str, Any]]) -> list[tuple[str, re.Pattern, dict[str, Any]]]:
+    compiled = []
+    for pat, opts in layer_config.items():
+        try:
+            compiled.append((pat, re.compile(standard_regex(pat)), opts))
+        except re.error as e:
+            raise LayerConfigError(f"--layer_config pattern {pat!r} is not a valid regex: {e}") from None
+    return compiled
+
+
+def _matches(name: str, pat: str, rx: re.Pattern) -> bool:
+    return name == pat or rx.search(name) is not None
+
+
+def matching_patterns(name: str, layer_config: dict[str, dict[str, Any]]) -> list[str]:
+    """The ``layer_config`` patterns that apply to module ``name`` (:func:`resolve`'s rule)."""
+    return [pat for pat, rx, _ in _compile(layer_config) if _matches(name, pat, rx)]

@@ -20,6 +20,7 @@ The command modules import the library inside each command, not at the top: ``qj
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -27,7 +28,7 @@ import time
 
 import numpy as np
 
-from qjax.cli.options import add_dtype_argument
+from qjax.cli.options import add_dtype_argument, report_unknown_flags_with_own_usage
 
 DEMO_CONFIG = {
     "model_type": "qwen3_5_moe_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 8,
@@ -43,7 +44,8 @@ DEMO_CONFIG = {
 
 # modules that add subcommands of their own: each defines ``register(subparsers)`` (commands whose code is more than a
 # thin wrapper live beside the library code they drive)
-COMMAND_MODULES: tuple[str, ...] = ("qjax.cli.evaluate", "qjax.cli.chat", "qjax.cli.bench", "qjax.cli.serve")
+COMMAND_MODULES: tuple[str, ...] = ("qjax.cli.quantize", "qjax.cli.evaluate", "qjax.cli.chat", "qjax.cli.bench",
+                                    "qjax.cli.serve")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -167,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--config", default=None, help="config.json of a hypothetical model")
     i.add_argument("--recipe", default=None,
                    help="preset (w2w4, w4a16, w8a16-g32, mxfp8-experts, bf16), 'experts=int2:g64,rest=int4:g128,"
-                        "kv=fp8' or a JSON file with a quantization_config")
+                        "kv=fp8', a preset amended ('w2w4,lm_head=int8:channel': a later item replaces an earlier "
+                        "one) or a JSON file with a quantization_config")
     add_dtype_argument(i, what="the dtype the model would compute in")
     i.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="also print per-device memory on this mesh, e.g. tensor=2,expert=2 (no devices needed)")
@@ -177,20 +180,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan a load without the vision tower (model.visual.*): listed as skipped, left out of the "
                         "device memory")
     i.set_defaults(func=cmd_inspect)
-    q = sub.add_parser("quantize", help="AutoRound (SignRound) quantization with auto-round's flags and defaults")
-    from qjax.autoround.api import add_arguments
-    from qjax.autoround.api import cli as quantize_cli
-    add_arguments(q)
-    q.set_defaults(func=quantize_cli)
     le = sub.add_parser("lm-eval", add_help=False,
                         help="lm-evaluation-harness with --model qjax registered (takes lm_eval's own flags)")
     le.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
     le.set_defaults(func=cmd_lm_eval)
-    import importlib
-
     for name in COMMAND_MODULES:  # each adds its subcommand(s): register(subparsers)
         importlib.import_module(name).register(sub)
+    _own_usage(sub)
     return p
+
+
+def _own_usage(sub) -> None:
+    """Every subcommand (nested ones too) reports a misspelled flag with its own usage."""
+    for parser in sub.choices.values():
+        report_unknown_flags_with_own_usage(parser)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _own_usage(action)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from qjax.cli.options import add_dtype_argument
 
 
 def register(sub) -> None:
-    from qjax.runtime.bench import RECIPES, Settings
+    from qjax.runtime.bench_settings import RECIPES, Settings
 
     d = Settings()
     p = sub.add_parser("bench", help="prefill/decode speed, TTFT and memory of a random-weight model (no download)",
@@ -48,7 +48,7 @@ def register(sub) -> None:
 
 
 def recipes_of(a) -> list[str]:
-    from qjax.runtime.bench import RECIPES
+    from qjax.runtime.bench_settings import RECIPES
 
     names = [n for r in (a.recipe or ["w2w4"]) for n in (RECIPES if r == "all" else [r])]
     return [f"{r},kv=fp8" if a.kv_fp8 and "kv=" not in r and r != "mxfp8-experts" else r for r in names]

@@ -25,7 +25,12 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from qjax.cli.options import add_dtype_argument
+from qjax.cli.options import (
+    add_compile_cache_argument,
+    add_dtype_argument,
+    add_tokenizer_argument,
+    start_compile_cache,
+)
 
 # chat prompts are left-padded to a multiple of this, so that turns of similar length reuse the compiled prefill (its
 # shape is the prompt's; the decode step's is the cache's, already in whole blocks: qjax.model.cache.cache_length);
@@ -88,9 +93,12 @@ def stream_text(model, tokenizer, ids: Sequence[int], out: TextIO, *, stop_ids: 
     got: list[int] = []
     stats = _stats(sampling, verbose)
     t0 = time.perf_counter()
+    first = None
     for step in qjax.stream(model, prompt, attention_mask=mask, eos_token_id=list(stop_ids), stats=stats,
                             **sampling):
         tok = int(step[0])
+        if first is None:
+            first = time.perf_counter() - t0
         if tok in stop:
             break
         got.append(tok)
@@ -101,7 +109,7 @@ def stream_text(model, tokenizer, ids: Sequence[int], out: TextIO, *, stop_ids: 
     out.write(dec.flush())
     out.flush()
     if verbose:
-        report_line(len(got), time.perf_counter() - t0, stats)
+        report_line(len(got), time.perf_counter() - t0, stats, first)
     return got
 
 
@@ -114,9 +122,14 @@ def _stats(sampling: dict, verbose: bool):
     return SpeculativeStats(num_speculative_tokens=sampling["num_speculative_tokens"])
 
 
-def report_line(n_tokens: int, seconds: float, stats) -> None:
-    """One line on stderr: tokens, time, tokens per second (prefill included), and what speculation accepted."""
+def report_line(n_tokens: int, seconds: float, stats, first: float | None = None) -> None:
+    """One line on stderr: tokens, time, tokens per second (prefill included), the steady decode speed after the
+    first token (``first``: seconds to it — prefill, and in a fresh process the compiles), and what speculation
+    accepted."""
     line = f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / max(seconds, 1e-9):.1f} tok/s"
+    if first is not None and n_tokens > 1 and seconds > first:
+        line += (f"; first token after {first:.2f} s, then {(n_tokens - 1) / (seconds - first):.1f} tok/s "
+                 "(steady decode)")
     if stats is not None:
         per = " ".join(f"{x:.2f}" for x in stats.acceptance_per_position)
         line += (f"; mtp k={stats.num_speculative_tokens}: {stats.rounds} verify calls, mean accepted length "
@@ -275,6 +288,13 @@ def _tokenizer(folder: str, hint: str = ""):
 # ---------------------------------------------------------------------------------------------------------------------
 # qjax generate
 # ---------------------------------------------------------------------------------------------------------------------
+def _compile_cache(a: argparse.Namespace, command: str) -> None:
+    """The persistent compilation cache on (``--compile-cache``), named on stderr with ``--verbose``."""
+    path = start_compile_cache(a.compile_cache)
+    if a.verbose:
+        print(f"qjax {command}: compile cache {path or 'off'}", file=sys.stderr, flush=True)
+
+
 @_user_facing
 def run_generate(a: argparse.Namespace) -> int:
     """``qjax generate``: a text (or ``--ids``) prompt, or one chat turn with ``--chat``; the answer streamed. With
@@ -284,6 +304,7 @@ def run_generate(a: argparse.Namespace) -> int:
     from qjax.model.config import TextConfig
 
     check_max_new_tokens(a.max_new_tokens)
+    _compile_cache(a, "generate")
     image_paths = list(getattr(a, "image", None) or [])
     chat = a.chat or bool(image_paths)  # an image prompt only exists as a chat turn: --image implies --chat
     if not chat and (a.no_think or a.system is not None):
@@ -311,7 +332,7 @@ def run_generate(a: argparse.Namespace) -> int:
         ids = [int(x) for x in a.ids.replace(",", " ").split()]
         n_run = len(ids)
     else:
-        tokenizer = _tokenizer(folder, "; pass the prompt as token ids with --ids")
+        tokenizer = _tokenizer(a.tokenizer or folder, "; pass the prompt as token ids with --ids")
         if not a.prompt and not images:
             raise ValueError("empty prompt: give PROMPT text (or token ids with --ids)")
         if chat:
@@ -340,14 +361,16 @@ def run_generate(a: argparse.Namespace) -> int:
 
         sampling = _sampling_kwargs(a)
         stats = _stats(sampling, a.verbose)
-        t0, n = time.perf_counter(), 0
+        t0, n, first = time.perf_counter(), 0, None
         for step in qjax.stream(model, np.asarray([ids], np.int32), seed=a.seed, stats=stats, **sampling):
+            if first is None:
+                first = time.perf_counter() - t0
             sys.stdout.write(f"{int(step[0])} ")
             sys.stdout.flush()
             n += 1
         if a.verbose:
             sys.stdout.write("\n")
-            report_line(n, time.perf_counter() - t0, stats)
+            report_line(n, time.perf_counter() - t0, stats, first)
             return 0
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -434,9 +457,10 @@ def run_chat(a: argparse.Namespace) -> int:
     from qjax.multimodal.positions import PromptError
 
     check_max_new_tokens(a.max_new_tokens)
+    _compile_cache(a, "chat")
     folder = a.model or default_model_dir()
     cfg = TextConfig.from_file(folder)
-    tokenizer = _tokenizer(folder)
+    tokenizer = _tokenizer(a.tokenizer or folder)
     session = ChatSession(_load(folder, a), tokenizer, context=cfg.max_position_embeddings,
                           config_path=os.path.join(folder, "config.json"), system=a.system,
                           enable_thinking=False if a.no_think else None, seed=a.seed, show_prompt=a.show_prompt,
@@ -519,6 +543,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -
     p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="run on several devices, e.g. tensor=2,expert=4 (axes data, tensor, expert; see README)")
     add_verify_argument(p)
+    add_compile_cache_argument(p)
+    add_tokenizer_argument(p)
 
 
 def add_verify_argument(p: argparse.ArgumentParser) -> None:

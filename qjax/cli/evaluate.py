@@ -16,11 +16,17 @@ import sys
 
 import numpy as np
 
-from qjax.cli.options import add_dtype_argument, dtype
-from qjax.evaluation.evaluate import PerplexityReport
+from qjax.cli.options import (
+    add_compile_cache_argument,
+    add_dtype_argument,
+    add_tokenizer_argument,
+    dtype,
+    start_compile_cache,
+)
+from qjax.evaluation import PERPLEXITY_METHOD
 
 PPL_HELP = ("Perplexity of a text file under a checkpoint, tokenized with the folder's tokenizer. Method: "
-            + PerplexityReport.method + ".")
+            + PERPLEXITY_METHOD + ".")
 FIDELITY_HELP = (
     "Fidelity of a (quantized) model to its reference, as quantized model cards report it: the reference's greedy "
     "answer to each prompt, then under the model and under the reference the perplexity of those answer tokens "
@@ -49,6 +55,7 @@ def cmd_ppl(a) -> int:
     from qjax.checkpoint.hub import default_model_dir
     from qjax.evaluation.evaluate import EvalError, perplexity_of_file
 
+    start_compile_cache(a.compile_cache)
     model = a.model or default_model_dir()
     data = a.data
     if data is None:
@@ -56,7 +63,7 @@ def cmd_ppl(a) -> int:
         if not os.path.isfile(data):
             raise EvalError(f"--data is required ({model} has no heldout.txt to default to)")
     report = perplexity_of_file(model, data, seqlen=a.seqlen, batch=a.batch_size, max_tokens=a.max_tokens,
-                                dtype=_dtype(a.dtype), progress=not a.quiet)
+                                dtype=_dtype(a.dtype), progress=not a.quiet, tokenizer_dir=a.tokenizer)
     if report.note:
         print(f"qjax eval ppl: note: {report.note}", file=sys.stderr, flush=True)
     _emit(report, a)
@@ -66,6 +73,7 @@ def cmd_ppl(a) -> int:
 def cmd_fidelity(a) -> int:
     from qjax.evaluation.evaluate import fidelity, read_prompts
 
+    start_compile_cache(a.compile_cache)
     prompts = read_prompts(a.prompts)
     report = fidelity(a.model, a.reference, prompts, max_new_tokens=a.max_new_tokens, chat=a.chat,
                       enable_thinking=a.thinking, batch=a.batch_size, dtype=_dtype(a.dtype), progress=not a.quiet)
@@ -123,6 +131,7 @@ def register(subparsers) -> None:
                         "one window of its own length (a note on stderr says so)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward call (default 8)")
     p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of the data")
+    add_tokenizer_argument(p)
     _common(p)
     p.set_defaults(func=cmd_ppl)
 
@@ -164,5 +173,6 @@ def register(subparsers) -> None:
 
 def _common(p) -> None:
     add_dtype_argument(p)
+    add_compile_cache_argument(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

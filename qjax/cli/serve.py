@@ -20,8 +20,11 @@ import re
 import signal
 import socket
 import sys
+import threading
+import time
 
 from qjax.cli.chat import add_verify_argument
+from qjax.cli.options import add_compile_cache_argument, start_compile_cache
 
 # the image bounds' defaults, stated here so that `qjax serve --help` does not import the serving stack (keep equal
 # to qjax.multimodal.images.DEFAULT_MAX_IMAGE_PIXELS and qjax.serving.api.DEFAULT_MAX_IMAGE_BYTES; a test checks)
@@ -135,7 +138,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"decoded (default {DEFAULT_MAX_IMAGE_PIXELS:,}, below Pillow's decompression-bomb warning)")
     p.add_argument("--max-image-bytes", type=human_int, default=DEFAULT_MAX_IMAGE_BYTES,
                    help=f"the most bytes of one encoded image (default {DEFAULT_MAX_IMAGE_BYTES:,})")
-    p.add_argument("--no-warmup", action="store_true", help="compile the engine's programs on first use")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="ready at once; the engine's programs compile on first use (each request that reaches a new "
+                        "one waits for its compile)")
+    add_compile_cache_argument(p)
     add_verify_argument(p)
     for flag, why in IGNORED_FLAGS.items():
         if flag in _VALUE_IGNORED:
@@ -367,6 +373,8 @@ def _serve(a: argparse.Namespace) -> int:
     if not 0 <= a.port < 65536:
         raise ServeError(f"--port must be in [0, 65535], got {a.port}")
     mesh = _mesh(a)
+    cache = start_compile_cache(a.compile_cache)  # before anything compiles
+    print(f"qjax serve: compile cache {cache or 'off'}", file=sys.stderr, flush=True)
 
     import jax
     import jax.numpy as jnp
@@ -443,9 +451,6 @@ def _serve(a: argparse.Namespace) -> int:
                         eos_token_ids=eos, metrics=metrics, seed=a.seed)
     except EngineError as e:  # a configuration the engine refuses (the message names the setting)
         raise ServeError(str(e)) from None
-    if not a.no_warmup:
-        n = engine.warmup()
-        print(f"qjax serve: compiled {n} engine programs", file=sys.stderr, flush=True)
     from importlib.metadata import version
 
     state = ServerState(engine=engine, tokenizer=tokenizer, served_names=served, root=folder, metrics=metrics,
@@ -455,16 +460,21 @@ def _serve(a: argparse.Namespace) -> int:
                         trust_request_chat_template=a.trust_request_chat_template,
                         max_image_pixels=a.max_image_pixels, max_image_bytes=a.max_image_bytes,
                         version=version("qjax"))
-    return serve_app(create_app(state), engine, a.host, a.port, a.uvicorn_log_level)
+    return serve_app(create_app(state), engine, a.host, a.port, a.uvicorn_log_level, warmup=not a.no_warmup)
 
 
-def serve_app(app, engine, host: str, port: int, log_level: str) -> int:
-    """Bind, print the address, serve until SIGINT/SIGTERM, then shut down cleanly and return 0: new requests get
-    503, every request in flight ends at the engine's next step (a waiting non-streaming request gets a 503 error
-    object, a stream its final chunk and ``[DONE]``: ``ServerState.begin_shutdown``), uvicorn lets those responses
-    go out (5 s at most) and closes, the engine stops. A second signal does not wait."""
+def serve_app(app, engine, host: str, port: int, log_level: str, *, warmup: bool = True) -> int:
+    """Bind and print the address at once, then compile the engine's programs on a thread (``warmup``: every
+    program a request can reach, one stderr line each) while ``/health`` answers 503 with the progress and other
+    routes 503; ready: ``/health`` 200 and the engine serves. Serve until SIGINT/SIGTERM, then shut down cleanly and
+    return 0: new requests get 503, every request in flight ends at the engine's next step (a waiting non-streaming
+    request gets a 503 error object, a stream its final chunk and ``[DONE]``: ``ServerState.begin_shutdown``),
+    uvicorn lets those responses go out (5 s at most) and closes, the engine stops. A second signal does not wait; a
+    signal during the warm-up does not wait for the compile in progress either."""
     import uvicorn
 
+    state = app.state.server
+    state.ready, state.started = False, time.monotonic()  # not ready until the warm-up thread below is done
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -489,19 +499,64 @@ def serve_app(app, engine, host: str, port: int, log_level: str) -> int:
         if server.should_exit:  # a second Ctrl-C: do not wait for in-flight requests
             server.force_exit = True
         # the handler runs on the main thread, which is the event loop's: no request code runs meanwhile
-        app.state.server.begin_shutdown()
+        state.begin_shutdown()
         server.should_exit = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
-    engine.start()
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            if warmup:
+                t0 = time.perf_counter()
+
+                def progress(i, n, what, seconds, parts):
+                    state.startup.update(programs=n, compiled=i, last=what)
+                    print(f"qjax serve: compiled {i}/{n} {what} in {seconds:.1f} s ({describe_parts(parts)})",
+                          file=sys.stderr, flush=True)
+                    if state.stopping:
+                        raise _Stopped
+
+                n = engine.warmup(progress=progress)
+                print(f"qjax serve: {n} programs compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                      flush=True)
+            engine.start()
+            state.mark_ready()
+            print(f"qjax serve: ready (since the port was bound: {time.monotonic() - state.started:.1f} s)",
+                  file=sys.stderr, flush=True)
+        except _Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported below, the server stops
+            failed.append(e)
+            server.should_exit = True
+
+    starter = threading.Thread(target=start, name="qjax-warmup", daemon=True)
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"qjax serve: listening on http://{shown}:{bound}", flush=True)
+    starter.start()
     try:
         server.run(sockets=[sock])
     finally:
-        engine.shutdown(abort=True)
         sock.close()
+        if starter.is_alive():
+            # a compile cannot be interrupted: leave without waiting for it (nothing was served yet)
+            print("qjax serve: stopped during the warm-up", file=sys.stderr, flush=True)
+            os._exit(0)
+        engine.shutdown(abort=True)
+    if failed:
+        raise ServeError(f"the warm-up failed: {type(failed[0]).__name__}: {failed[0]}")
     print("qjax serve: stopped", file=sys.stderr, flush=True)
     return 0
 
+
+def describe_parts(parts: dict[str, float]) -> str:
+    """``trace 0.9, lower 0.3, XLA 7.8 s`` or ``…, from the compile cache 0.1 s`` (:func:`qjax.serving.engine.
+    compile_times`'s parts)."""
+    xla = parts.get("compile", 0.0)
+    last = (f"from the compile cache {xla:.1f} s" if "cache" in parts else f"XLA {xla:.1f} s")
+    return f"trace {parts.get('trace', 0.0):.1f}, lower {parts.get('lower', 0.0):.1f}, {last}"
+
+
+class _Stopped(Exception):
+    """The server was asked to stop during its warm-up."""

@@ -37,6 +37,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tqdm.auto import tqdm
 
 import qjax
+from qjax.evaluation import PERPLEXITY_METHOD
 from qjax.model.config import TextConfig
 from qjax.tokenizer import Tokenizer
 
@@ -200,8 +201,7 @@ class PerplexityReport:
     requested_seqlen: int | None = None  # the --seqlen asked for, when the text was shorter than one such window
     note: str | None = None  # why the window is shorter than requested (``qjax eval ppl`` prints it on stderr)
 
-    method = ("non-overlapping windows of seqlen inputs: every token but the first of the text is scored once, from "
-              "its own window's context only; the tail shorter than a window is not scored")
+    method = PERPLEXITY_METHOD
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -224,8 +224,9 @@ class PerplexityReport:
 
 
 def perplexity_of_file(model_dir: str, data: str, *, seqlen: int = 2048, batch: int = 8, max_tokens: int | None = None,
-                       dtype=None, progress: bool = False) -> PerplexityReport:
-    """Perplexity of the text file ``data`` under the checkpoint ``model_dir`` (its own tokenizer).
+                       dtype=None, progress: bool = False, tokenizer_dir: str | None = None) -> PerplexityReport:
+    """Perplexity of the text file ``data`` under the checkpoint ``model_dir`` (its own tokenizer, or
+    ``tokenizer_dir``'s).
 
     A text (after ``max_tokens``) shorter than one window — fewer than ``seqlen + 1`` tokens — is scored as one window
     of its own length (``N - 1`` inputs); the report's ``seqlen`` is that length, ``requested_seqlen`` the one asked
@@ -241,7 +242,7 @@ def perplexity_of_file(model_dir: str, data: str, *, seqlen: int = 2048, batch: 
 
     TextConfig.from_file(model_dir)  # a wrong --model fails here, naming its config.json, before any work
     texts = read_texts(data)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
     ids = tokenize_texts(texts, tokenizer)
     if max_tokens is not None:
         ids = ids[:max_tokens]

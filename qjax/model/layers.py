@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.kernels import QuantMeta, accum_dtype, dequantize, matmul, matmul_accumulated, qmatmul, silu
+from qjax.kernels import QuantMeta, accum_dtype, matmul, matmul_accumulated, qmatmul, silu
 from qjax.model.quant_layers import init_packed, packed_arrays
 
 
@@ -60,10 +60,21 @@ class Linear(nnx.Module):
 
     def accumulated(self, x: jnp.ndarray) -> jnp.ndarray:
         """``x @ Wᵀ`` returned in the accumulation dtype (the lm_head's logits: float32, float64 for a float64
-        model) — the same accumulation, without the rounding to x's dtype. A packed weight is dequantized first (the
-        lm_head is read once per call either way)."""
-        w = self.weight[...].astype(x.dtype) if self.meta is None else dequantize(*self.arrays(), self.meta, x.dtype)
-        return matmul_accumulated(x, w)
+        model) — the same accumulation, without the rounding to x's dtype.
+
+        A packed weight goes through :func:`qjax.kernels.qmatmul` like every other packed linear (on a GPU the
+        Pallas kernel reads the packed words; dequantizing the whole weight first would write and read it again in
+        x's dtype, more bytes than the BF16 head it replaces). The kernel returns x's dtype, so x enters in the
+        accumulation dtype: the same values (bf16 → float32 is exact, the dequantized weight is rounded to its
+        scale dtype either way), and at one row — the batch-1 decode step — the kernel multiplies in float32
+        whatever x's dtype. More rows run a float32 dot (slower than bf16 on tensor cores, but memory-bound up to
+        a few rows)."""
+        if self.meta is None:
+            return matmul_accumulated(x, self.weight[...].astype(x.dtype))
+        x = x.astype(accum_dtype(x.dtype))
+        if self.tp_split is not None:  # the vocabulary split over tensor: each device's rows of the logits
+            return self.mesh_plan.qmatmul(x, self.arrays(), self.meta, self.tp_split)
+        return qmatmul(x, *self.arrays(), self.meta)
 
 
 class RMSNorm(nnx.Module):

@@ -338,9 +338,8 @@ def set_plan(model, plan: MeshPlan | None) -> None:
 
 
 def _linear_split(path: tuple, layer, plan: MeshPlan) -> str | None:
-    """"col" / "row" when :func:`param_spec` splits this packed linear's output rows / input columns over tensor."""
-    if path and path[0] == "lm_head":
-        return None  # the lm_head dequantizes for its float32 logits: GSPMD partitions it
+    """"col" / "row" when :func:`param_spec` splits this packed linear's output rows / input columns over tensor
+    (a packed lm_head: "col" when the vocabulary splits)."""
     value = layer.weight_packed.get_value() if hasattr(layer.weight_packed, "get_value") else layer.weight_packed.value
     spec = tuple(param_spec(path + ("weight_packed",), tuple(value.shape), plan, layer.meta, warn=lambda _: None))
     spec = spec + (None,) * (len(value.shape) - len(spec))

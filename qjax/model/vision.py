@@ -8,7 +8,7 @@ Patches arrive as the image processor flattens them (:mod:`qjax.multimodal.image
 merge-block order, images one after another. Everything that depends on the images' grids — the position-embedding
 interpolation taps, the 2-D rotary positions, which image each patch belongs to — is computed on the host in numpy
 (:func:`vision_layout`), as transformers' ``vision_utils`` does, so one compiled program serves every mix of image
-sizes whose total patch count falls in the same bucket (:func:`patch_bucket`).
+sizes whose total patch count falls in the same bucket (:func:`patch_bucket`: two per doubling).
 """
 
 from __future__ import annotations
@@ -55,13 +55,22 @@ class VisionLayout:
 
 
 def patch_bucket(n: int, merge_unit: int = 4) -> int:
-    """The padded patch count a call of ``n`` patches compiles for: the smallest ``m·2^e ≥ n`` with m in 8..15
-    (at most 12.5 % padding; eight compiled programs per doubling of the image area), at least 64, rounded up to a
-    multiple of the merge unit (a no-op for the 2×2 merge)."""
+    """The padded patch count a call of ``n`` patches compiles for: the smallest ``m·2^e ≥ n`` with m in {2, 3}
+    (64, 96, 128, 192, 256, …: at most 50 % padding, two compiled programs per doubling of the image area — few
+    enough that a server compiles every size it can meet before it is ready), at least 64, rounded up to a multiple
+    of the merge unit (a no-op for the 2×2 merge)."""
     n = max(int(n), 64)
-    e = max(n.bit_length() - 4, 0)
+    e = max(n.bit_length() - 2, 0)
     size = -(-n // (1 << e)) << e
     return -(-size // merge_unit) * merge_unit
+
+
+def patch_buckets(most: int, merge_unit: int = 4) -> list[int]:
+    """Every :func:`patch_bucket` a call of at most ``most`` patches can land in, smallest first."""
+    out = [patch_bucket(1, merge_unit)]
+    while out[-1] < most:
+        out.append(patch_bucket(out[-1] + 1, merge_unit))
+    return out
 
 
 def _query_block(n: int) -> int:
@@ -333,7 +342,7 @@ class Qwen3_5MoeVisionModel(nnx.Module):
         x, _ = jax.lax.scan(body, x, state)
         return self.merger(x)
 
-    def __call__(self, pixel_values, grid_thw) -> jnp.ndarray:
+    def __call__(self, pixel_values, grid_thw) -> np.ndarray:
         """Host entry: ``pixel_values [N, patch_dim]`` (numpy or array) of images with grids ``grid_thw [n, 3]`` →
         their merged tokens ``[N / merge_unit, out_hidden_size]``, image after image. One jitted program per patch
         bucket (:func:`patch_bucket`)."""
@@ -347,9 +356,20 @@ class Qwen3_5MoeVisionModel(nnx.Module):
         padded = np.zeros((layout.bucket, cfg.patch_dim), np.float64 if wide else np.float32)
         padded[:layout.patches] = pixels
         graphdef, state = nnx.split(self)
-        out = _jit_vision(graphdef, state, jnp.asarray(padded), layout.interp_index, layout.interp_weight,
+        out = _jit_vision(graphdef, state, padded, layout.interp_index, layout.interp_weight,
                           layout.rope_position, layout.segment)
-        return out[:layout.patches // cfg.merge_unit]
+        # cut on the host: slicing the device array to each call's own count would compile a program per count
+        return np.asarray(out)[:layout.patches // cfg.merge_unit]
+
+    def compile_bucket(self, bucket: int) -> None:
+        """Compile (and run once, on padding only) the program of one patch bucket: what a server does for every
+        bucket a request can reach before it says it is ready."""
+        wide = self.dtype == jnp.float64
+        f = np.float64 if wide else np.float32
+        graphdef, state = nnx.split(self)
+        jax.block_until_ready(_jit_vision(
+            graphdef, state, np.zeros((bucket, self.config.patch_dim), f), np.zeros((bucket, 4), np.int32),
+            np.zeros((bucket, 4), f), np.zeros((bucket, 2), np.int32), np.full(bucket, -1, np.int32)))
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from qjax.multimodal.images import ImageError, ImageProcessorConfig, load_image, preprocess
@@ -32,7 +31,7 @@ class ImagePrompt:
     input_ids: np.ndarray
     attention_mask: np.ndarray
     position_ids: np.ndarray
-    image_embeds: jnp.ndarray
+    image_embeds: np.ndarray  # host array: the tower output, cut and cast on the host
     image_grid_thw: np.ndarray
 
 
@@ -103,9 +102,9 @@ def prepare_images(model, input_ids, attention_mask, images: Sequence, *, pad_to
             rows.append(expand_image_tokens(row, counts[used:used + n], vc.image_token_id) if n else row)
             used += n
     if used != len(counts):
+        given = f"{len(counts)} image{'s were' if len(counts) != 1 else ' was'} given"
         raise PromptError(f"the prompt{'s have' if ids.shape[0] > 1 else ' has'} {used} image placeholder"
-                          f"{'s' if used != 1 else ''} but {len(counts)} image{'s were' if len(counts) != 1 else ' was'}"
-                          f" given")
+                          f"{'s' if used != 1 else ''} but {given}")
     width = max(len(r) for r in rows)
     out_ids = np.full((len(rows), width), pad_token_id, np.int32)
     out_mask = np.zeros((len(rows), width), np.int32)
@@ -115,7 +114,7 @@ def prepare_images(model, input_ids, attention_mask, images: Sequence, *, pad_to
     position_ids, _ = rope_index(out_ids, processed.image_grid_thw, image_token_id=vc.image_token_id,
                                  spatial_merge_size=vc.spatial_merge_size, attention_mask=out_mask,
                                  video_token_id=vc.video_token_id)
-    embeds = model.visual(processed.pixel_values, processed.image_grid_thw).astype(model.dtype)
+    embeds = np.asarray(model.visual(processed.pixel_values, processed.image_grid_thw)).astype(np.dtype(model.dtype))
     return ImagePrompt(input_ids=out_ids, attention_mask=out_mask, position_ids=np.asarray(position_ids, np.int32),
                        image_embeds=embeds, image_grid_thw=processed.image_grid_thw)
 

@@ -38,16 +38,21 @@ import numpy as np
 from flax import nnx
 
 from qjax.checkpoint.hub import ASSETS
-from qjax.convert.planner import plan_recipe_cfg
+from qjax.convert.planner import (  # the decode step's bytes: the planner's, which qjax inspect prints deviceless
+    decode_bytes,
+    expected_active_experts,  # noqa: F401 - bench.expected_active_experts, as before
+    plan_recipe_cfg,
+    weight_bytes_by_role,
+)
 from qjax.model.memory import device_limit, host_available
 from qjax.model.cache import Cache, cache_length
 from qjax.model.config import FULL, TextConfig
 from qjax.model.qwen3_5_moe import Qwen3_5MoeForCausalLM
-from qjax.runtime.generate import DecodeSettings, decode_loop, prefill
+from qjax.runtime.generate import DecodeSettings, decode_loop, decode_loop_for, prefill
+from qjax.runtime.bench_settings import RECIPES, Settings  # noqa: F401  (RECIPES: re-exported for callers)
 from qjax.runtime.random_model import abstract_recipe_model, random_model
 
 BUILTIN_CONFIG = os.path.join(ASSETS, "configs", "qwen3_6_35b_a3b.json")
-RECIPES = ("bf16", "w2w4", "w8a16-g32", "mxfp8-experts")
 # dense BF16 tensor-core peaks (datasheet) for the prefill compute bound, by a substring of device_kind
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
@@ -109,32 +114,6 @@ def load_config(path: str | None = None, *, scale: int = 1, layers: int | None =
 # ---------------------------------------------------------------------------------------------------------------------
 # settings and results
 # ---------------------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """What to time. Prefill shapes are ``(batch, tokens)``; decode runs ``new_tokens`` steps after a ``context``-token
-    prompt at each batch; TTFT is batch 1 at the first prefill length."""
-
-    prefill: tuple[tuple[int, int], ...] = ((1, 2048), (8, 512))
-    decode_batches: tuple[int, ...] = (1, 8, 64)
-    context: int = 512
-    new_tokens: int = 64
-    repeats: int = 5
-    baseline: bool = True
-    seed: int = 0
-
-    def __post_init__(self):
-        for b, t in self.prefill:
-            if b < 1 or t < 1:
-                raise ValueError(f"prefill shape {b}x{t}: batch and tokens must be ≥ 1")
-        if not self.prefill and not self.decode_batches:
-            raise ValueError("nothing to time: give prefill shapes or decode batches")
-        if any(b < 1 for b in self.decode_batches):
-            raise ValueError(f"decode batches must be ≥ 1, got {self.decode_batches}")
-        if self.context < 1 or self.new_tokens < 1 or self.repeats < 1:
-            raise ValueError(f"context ({self.context}), new_tokens ({self.new_tokens}) and repeats "
-                             f"({self.repeats}) must be ≥ 1")
-
-
 def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
     """``"1x2048,8x512"`` → ``((1, 2048), (8, 512))`` (empty: none)."""
     out = []
@@ -157,44 +136,6 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------------------------------
 # bytes and FLOPs
 # ---------------------------------------------------------------------------------------------------------------------
-def expected_active_experts(num_experts: int, top_k: int, batch: int) -> float:
-    """Expected distinct experts ``batch`` tokens route to when each picks ``top_k`` of ``num_experts`` uniformly."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
-
-
-def _weight_groups(model) -> dict[str, int]:
-    """Parameter bytes by role: ``embed`` (table), ``experts`` (routed, all), ``mtp`` and ``other``."""
-    out: dict[str, int] = defaultdict(int)
-    for path, v in nnx.to_flat_state(nnx.state(model)):
-        a = v.get_value() if hasattr(v, "get_value") else v.value
-        names = [str(p) for p in path]
-        kind = ("embed" if "embed_tokens" in names else "mtp" if "mtp" in names
-                else "experts" if "experts" in names else "other")
-        out[kind] += a.size * a.dtype.itemsize
-    return dict(out)
-
-
-def decode_bytes(model, batch: int, context: int) -> dict[str, float]:
-    """Bytes one decode step at ``batch`` must move with ``context`` tokens in the cache (see the module doc)."""
-    cfg = model.config
-    w = _weight_groups(model)
-    frac = expected_active_experts(cfg.num_experts, cfg.num_experts_per_tok, batch) / cfg.num_experts
-    cache = jax.eval_shape(lambda: model.init_cache(batch, context))
-    state = kv = 0.0
-    for slot in cache.slots:
-        leaves = jax.tree_util.tree_leaves(slot)
-        nbytes = sum(x.size * x.dtype.itemsize for x in leaves)
-        if hasattr(slot, "recurrent"):
-            state += 2 * nbytes  # read and written back
-        else:
-            kv += nbytes  # the whole context is read once (the new position's write is negligible)
-    embed_row = cfg.hidden_size * jnp.dtype(model.dtype).itemsize
-    out = {"weights": float(w.get("other", 0)) + batch * embed_row, "experts": w.get("experts", 0) * frac,
-           "state": state, "kv": kv}
-    out["total"] = sum(out.values())
-    return out
-
-
 def prefill_flops(cfg: TextConfig, batch: int, tokens: int) -> float:
     """Matmul FLOPs of one prefill (weights: 2 per weight per token, routed experts k/E of them; attention scores and
     values over the causal half; the LM head on the last position only, as generation runs it)."""
@@ -359,11 +300,13 @@ def _cache_len(t: int, settings: Settings) -> int:
     return cache_length(t, settings.new_tokens + 1)
 
 
-def _decode(graphdef, state, logits, cache, n: int, impl: str | None = None):
+def _decode(graphdef, state, logits, cache, n: int, impl: str | None = None, graphs: str | None = None):
     """qjax.generate's greedy decode loop from a warm cache: n + 1 tokens (the first from the prefill's logits, then n
-    forward steps) → ``[B, cache.max_len]``, of which the first n + 1 columns are those tokens."""
+    forward steps) → ``[B, cache.max_len]``, of which the first n + 1 columns are those tokens. ``graphs``: the decode
+    programs' XLA mode (:mod:`qjax.runtime.xla_options`; None: the process's)."""
 
-    return decode_loop(graphdef, state, cache, logits, jax.random.key(0), _greedy(), n + 1, impl=impl)[0]
+    loop = decode_loop_for(graphs)
+    return loop(graphdef, state, cache, logits, jax.random.key(0), _greedy(), n + 1, impl=impl)[0]
 
 
 WARM_ROWS = 8  # decode prompts are prefilled 8 rows at a time: one prefill program serves every decode batch
@@ -451,7 +394,7 @@ def bench(cfg: TextConfig, recipe: str, settings: Settings = Settings(), *, dtyp
                 row["bound_tok_s"] = row["batch"] * row["tokens"] / (row["flops"] / peak)
                 row["of_bound"] = row["tok_s"] / row["bound_tok_s"]
     mem = device_memory()
-    w = _weight_groups(model)
+    w = weight_bytes_by_role(model)
     result.update(
         recipe=recipe, dtype=jnp.dtype(dtype).name, config=_config_summary(cfg), settings=dataclasses.asdict(settings),
         device=f"{dev.platform}: {dev.device_kind}", devices=jax.device_count(), jax=jax.__version__,
@@ -623,19 +566,23 @@ def to_json(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 def decode_program(model, batch: int = 1, context: int = 512, new_tokens: int = 64):
     """``(fn, arg_specs)``: the decode ``while_loop`` of ``qjax.generate`` for ``model`` (an abstract one, e.g.
-    :func:`qjax.runtime.random_model.abstract_recipe_model`), as a function of abstract state, cache, logits and key —
-    for compiling without weights or device."""
+    :func:`qjax.runtime.random_model.abstract_recipe_model`), as a function of abstract state, cache, logits, key and
+    step count — for compiling without weights or device. The step count is an argument, as in ``qjax.generate`` and
+    the bench (a constant would let XLA give the decode loop a known trip count that the real program does not have).
+    Inside this ``fn`` the decode loop's own ``compiler_options`` do not apply: compile it with
+    :func:`qjax.runtime.xla_options.decode_compiler_options`."""
 
     cfg = model.config
     graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: model.init_cache(batch, cache_length(context, new_tokens + 1)))
     logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32)
     key = jax.eval_shape(lambda: jax.random.key(0))
+    steps = jax.ShapeDtypeStruct((), jnp.int32)
 
-    def fn(state, cache, logits, key):
-        return decode_loop(graphdef, state, cache, logits, key, _greedy(), new_tokens + 1)[0][:, :new_tokens + 1]
+    def fn(state, cache, logits, key, steps):
+        return decode_loop(graphdef, state, cache, logits, key, _greedy(), steps)[0][:, :new_tokens + 1]
 
-    return fn, (state, cache, logits, key)
+    return fn, (state, cache, logits, key, steps)
 
 
 def lowering_cases():

@@ -41,8 +41,11 @@ class SamplingArrays:
         do_sample, temperature, top_k, top_p = np.broadcast_arrays(
             np.asarray(do_sample, bool), np.minimum(np.asarray(temperature, np.float64), MAX_TEMPERATURE),
             np.minimum(np.asarray(top_k, np.int64), INT32_MAX), np.asarray(top_p, np.float64))
-        return cls(do_sample=jnp.asarray(do_sample), temperature=jnp.asarray(temperature, jnp.float32),
-                   top_k=jnp.asarray(top_k, jnp.int32), top_p_cut=jnp.asarray(1.0 - top_p, jnp.float32))
+        # converted on the host and copied: ``jnp.asarray`` of a host array would trace a small conversion program
+        # for every new shape (a server's first request of each batch size would compile)
+        put = jax.device_put
+        return cls(do_sample=put(do_sample), temperature=put(temperature.astype(np.float32)),
+                   top_k=put(top_k.astype(np.int32)), top_p_cut=put((1.0 - top_p).astype(np.float32)))
 
     @classmethod
     def zeros(cls, batch: int) -> "SamplingArrays":

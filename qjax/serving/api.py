@@ -123,6 +123,11 @@ class ServerState:
     # as large as its images
     vision_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     stopping: bool = False  # set by begin_shutdown: new requests get 503, in-flight ones end
+    # False while the engine's programs compile (qjax serve binds its port first): /health answers 503 with
+    # ``startup`` (programs compiled so far, of how many), every other working route 503
+    ready: bool = True
+    startup: dict = dataclasses.field(default_factory=dict)
+    started: float = dataclasses.field(default_factory=time.monotonic)
     runs: set = dataclasses.field(default_factory=set)  # the _Run of every request in flight
     last_trim: float = 0.0  # when memory was last handed back (_release_memory)
     trim_pending: bool = False
@@ -141,6 +146,19 @@ class ServerState:
         if asked is None or asked in self.served_names:
             return asked or self.served_names[0]
         raise ApiError(404, f"The model `{asked}` does not exist.", param="model", kind="NotFoundError")
+
+    def mark_ready(self) -> None:
+        self.startup = {}
+        self.ready = True
+
+    def health(self) -> Response:
+        """``/health`` (and ``/ping``): 200 when requests are served (vLLM's meaning), else 503 with a JSON body
+        saying why: starting (with the compile progress) or stopping."""
+        if self.ready and not self.stopping:
+            return Response(status_code=200)
+        status = "stopping" if self.stopping else "starting"
+        body = {"status": status, "seconds": round(time.monotonic() - self.started, 1), **self.startup}
+        return JSONResponse(body, status_code=503)
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end the ones in flight (each at the engine's next step; see the module
@@ -174,6 +192,12 @@ def create_app(state: ServerState) -> FastAPI:
             return _error(ApiError(401, "missing or wrong API key (Authorization: Bearer …)"))
         if state.stopping and path not in OPEN_ROUTES:
             return _error(ApiError(503, "the server is shutting down"))
+        if not state.ready and path not in OPEN_ROUTES:
+            done = state.startup
+            where = (f" ({done.get('compiled', 0)} of {done['programs']} programs compiled)" if "programs" in done
+                     else "")
+            return _error(ApiError(503, f"the server is starting: compiling its programs{where}; retry when /health "
+                                        "answers 200"))
         response = await call_next(request)
         if _is_large(request):  # answered or refused: its body's memory is garbage now
             _release_memory(state)
@@ -205,15 +229,15 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        return state.health()
 
     @app.get("/ping")
     async def ping():
-        return Response(status_code=200)
+        return state.health()
 
     @app.post("/ping")
     async def ping_post():  # SageMaker's health check is a POST
-        return Response(status_code=200)
+        return state.health()
 
     @app.get("/version")
     async def version():

@@ -56,6 +56,7 @@ No other program is compiled while nothing fails.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -64,7 +65,7 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -72,7 +73,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qjax.multimodal.positions import PromptError
-from qjax.multimodal.prompt import check_vision
+from qjax.model.vision import patch_buckets
+from qjax.multimodal.prompt import check_vision, image_processor
 from qjax.runtime.sampling import SamplingArrays, kept_key_data, seed_key_data
 from qjax.runtime.speculative import SpeculativeStats
 
@@ -92,8 +94,13 @@ from .requests import (  # noqa: F401
 
 logger = logging.getLogger("qjax.serving")
 
-# Smallest bucket of cache slots attention reads at decode; buckets double up to max_model_len.
+# Smallest bucket of cache slots attention reads; buckets grow ×KV_FACTOR up to max_model_len.
 MIN_KV_BUCKET = 256
+# Bucket growth of the cache slots attention reads and of the rows a call runs (decode rows, prefill sequences):
+# every bucket is a compiled program and a server compiles them all before it is ready, so ×4 (a call pays at most
+# 4× the rows or slots it needs, in place of 2×: three kv_len buckets for a 4,096-token context instead of five)
+KV_FACTOR = 4
+ROW_FACTOR = 4
 # Smallest prefill chunk bucket (tokens per sequence per call; the GDN chunk size); buckets grow ×4 up to
 # max_num_batched_tokens.
 MIN_CHUNK_BUCKET = 64
@@ -204,6 +211,8 @@ class EngineMetricsSink:
     """What the engine reports as it runs (the server counts it for ``/metrics``); the default ignores it."""
 
     def queue(self, running: int, waiting: int) -> None: ...
+    def kv_cache(self, used: float) -> None:
+        """The share (0–1) of the pool's cache slots that the running requests' tokens fill."""
     def prompt_tokens(self, n: int) -> None: ...
     def generated_tokens(self, n: int) -> None: ...
     def first_token(self, seconds: float) -> None: ...
@@ -211,6 +220,34 @@ class EngineMetricsSink:
     def finished(self, reason: str, seconds: float) -> None: ...
     def speculated(self, drafts: int, accepted: int) -> None:
         """One row's verify round: ``drafts`` drafts checked, the first ``accepted`` of them accepted."""
+
+
+# JAX's compile-time events (public through jax.monitoring; named in jax._src.dispatch and compiler): where a
+# program's first call spends its time
+COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                  "/jax/core/compile/backend_compile_duration": "compile",
+                  "/jax/compilation_cache/cache_retrieval_time_sec": "cache"}
+
+
+@contextlib.contextmanager
+def compile_times() -> Iterator[dict[str, float]]:
+    """A dict filled, while the block runs, with the seconds this thread spent tracing (``trace``), lowering to MLIR
+    (``lower``), in XLA's compile or the persistent cache's lookup (``compile``), and loading from that cache
+    (``cache``, present only on a hit)."""
+    parts: dict[str, float] = {}
+    thread = threading.get_ident()
+
+    def listener(event: str, duration: float, **_) -> None:
+        name = COMPILE_EVENTS.get(event)
+        if name is not None and threading.get_ident() == thread:
+            parts[name] = parts.get(name, 0.0) + duration
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield parts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 class Engine:
@@ -286,35 +323,101 @@ class Engine:
                 lambda: model.init_mtp_cache(1, slots).slots)))
         return {"kv": kv, "state": state, "total": (kv + state) * max_num_seqs}
 
-    def warmup(self) -> int:
-        """Compile, before the first request, the programs steady serving uses: decode at every row bucket and
-        prefill at every (sequences, chunk) bucket, for the shortest ``kv_len`` bucket (longer contexts compile
-        their buckets on first use), and the row swap. The calls touch no row (every row is padding). Returns the
-        number of programs compiled so far."""
-        b = self.config.max_num_seqs
-        kv = self._kv_bucket(1)
-        sizes = sorted({min(self._round_rows(bucket(n, 1, b)), b) for n in range(1, b + 1)})
-        for size in sizes:
-            if self.k:
-                self.pool, *_ = self._programs.verify(self.pool, jnp.zeros((size,), bool),
-                                                      rows=None if size >= b else size, kv_len=kv, top_k=None)
-                continue
-            self.pool, _ = self._programs.decode(self.pool, jnp.zeros((size,), bool), jnp.asarray(1, jnp.int32),
-                                                 rows=None if size >= b else size, kv_len=kv,
-                                                 max_steps=self.config.decode_steps, top_k=None)
-        z = functools.partial(jnp.zeros, dtype=jnp.int32)
+    def warmup_plan(self) -> list[tuple[str, Callable[[], None]]]:
+        """Every device program a request can reach, as (a description, a call that compiles and runs it on padding
+        rows only: no row is touched): decode (verify, with speculation) at every row bucket × ``kv_len`` bucket,
+        without and with log-probabilities; prefill at every (sequences, chunk) bucket × the ``kv_len`` buckets its
+        chunks can reach (log-probabilities are data there: one program), and its image variant when the model has
+        a vision tower; the row swap. What :meth:`warmup` runs before a server says it is ready."""
+        b, cfg = self.config.max_num_seqs, self.config
+        plan: list[tuple[str, Callable[[], None]]] = []
+        sizes = sorted({self._decode_rows(n) for n in range(1, b + 1)})
+        kvs = self._kv_buckets()
+        for kv in kvs:
+            for size in sizes:
+                for top_k in (None, cfg.max_logprobs):
+                    rows = None if size >= b else size
+                    what = (f"{'verify' if self.k else 'decode'} rows={size} kv_len={kv}"
+                            + (f" logprobs={top_k}" if top_k is not None else ""))
+                    plan.append((what, functools.partial(self._warm_decode, size, rows, kv, top_k)))
+        images = self.k == 0 and getattr(self.model, "visual", None) is not None
+        low = 1
         for t in self._chunk_buckets():
-            p = 1
-            while p <= self._prefill_rows(t):
-                rows = self._round_rows(p)
-                self.pool, *_ = self._programs.prefill(
-                    self.pool, jnp.full((rows,), b, jnp.int32), z((rows, t)), z((rows,)), jnp.zeros((rows,), bool),
-                    jnp.zeros((rows,), bool), jnp.zeros((rows, 2), jnp.uint32), SamplingArrays.zeros(rows),
-                    z((rows, t)), kv_len=self._kv_bucket(t), top_k=None, prompt_top_k=None)
-                p *= 2
-        self.pool = self._programs.swap(self.pool, 0, 0)
-        jax.block_until_ready(self.pool)
+            most = self._prefill_rows(t)
+            for p in sorted({self._round_rows(bucket(n, 1, most, ROW_FACTOR)) for n in range(1, most + 1)}):
+                for kv in (k for k in kvs if k >= self._kv_bucket(low)):
+                    for image in (False, True) if images else (False,):
+                        what = f"prefill rows={p} chunk={t} kv_len={kv}" + (" images" if image else "")
+                        plan.append((what, functools.partial(self._warm_prefill, p, t, kv, image)))
+            low = t + 1
+        plan.append(("swap", lambda: setattr(self, "pool", self._programs.swap(self.pool, 0, 0))))
+        if images:
+            visual = self.model.visual
+            for size in patch_buckets(self._most_patches(), self.model.vision_config.merge_unit):
+                plan.append((f"vision tower patches={size}", functools.partial(visual.compile_bucket, size)))
+        return plan
+
+    def _most_patches(self) -> int:
+        """The most patches one vision-tower call of a request meets here: its image tokens fill at most the context
+        (``merge_unit`` patches each), and one image is at most the processor's ``max_pixels`` — a request of several
+        images larger together compiles its tower bucket when it comes."""
+        vc = self.model.vision_config
+        proc = image_processor(self.model)
+        per_image = proc.max_pixels // (proc.patch_size ** 2)
+        return max(1, min(vc.merge_unit * self.config.max_model_len, per_image))
+
+    def warmup(self, progress: Callable[[int, int, str, float, dict[str, float]], None] | None = None) -> int:
+        """Compile (and run once, on padding rows) every program of :meth:`warmup_plan`, then serve a few tiny
+        requests on this thread (greedy, sampled, with log-probabilities and prompt log-probabilities) so that the
+        host side's first-use work is done too; a request after this compiles nothing (tested). ``progress(i, n,
+        description, seconds, parts)`` after each program, ``parts`` where its seconds went (:func:`compile_times`).
+        Must run before :meth:`start`. Returns the number of programs compiled."""
+        if self._thread is not None:
+            raise EngineError("warmup() runs before start(): it drives the programs on the calling thread")
+        plan = self.warmup_plan()
+        for i, (what, run) in enumerate(plan, start=1):
+            t0 = time.perf_counter()
+            with compile_times() as parts:
+                run()
+                jax.block_until_ready(self.pool)
+            if progress is not None:
+                progress(i, len(plan), what, time.perf_counter() - t0, parts)
+        n = min(8, self.config.max_model_len - 2)
+        prompt = [int(i) % self.vocab_size for i in range(1, n + 1)]
+        self.generate([prompt] * 4, [SamplingParams(max_tokens=2, temperature=0),
+                                     SamplingParams(max_tokens=2, temperature=0.7, top_k=5, top_p=0.9, seed=0),
+                                     SamplingParams(max_tokens=2, temperature=0, logprobs=1),
+                                     SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)])
         return len(self.compiled)
+
+    def _kv_buckets(self) -> list[int]:
+        out, kv = [], self._kv_bucket(1)
+        while True:
+            out.append(kv)
+            if kv >= self.config.slots_per_row:
+                return out
+            kv = self._kv_bucket(kv + 1)
+
+    def _warm_decode(self, size: int, rows: int | None, kv: int, top_k: int | None) -> None:
+        # host arrays, as the steps pass them: the same input signatures, so the programs found again at run time
+        inactive = np.zeros((size,), bool)
+        if self.k:
+            self.pool, *_ = self._programs.verify(self.pool, inactive, rows=rows, kv_len=kv, top_k=top_k)
+        else:
+            self.pool, _ = self._programs.decode(self.pool, inactive, np.int32(1), rows=rows,
+                                                 kv_len=kv, max_steps=self.config.decode_steps, top_k=top_k)
+
+    def _warm_prefill(self, rows: int, t: int, kv: int, image: bool) -> None:
+        z = functools.partial(np.zeros, dtype=np.int32)
+        extra = {}
+        if image:  # the shapes and dtypes _image_arrays gives (the tower's features are in the model's dtype)
+            extra = dict(position_ids=z((3, rows, t)), image_embeds=np.zeros(
+                (rows * t, self.model.config.hidden_size), np.dtype(self.model.dtype)))
+        self.pool, *_ = self._programs.prefill(
+            self.pool, np.full((rows,), self.config.max_num_seqs, np.int32), z((rows, t)), z((rows,)),
+            np.zeros((rows,), bool), np.zeros((rows,), bool), np.zeros((rows, 2), np.uint32),
+            SamplingArrays.zeros(rows), z((rows, t)), np.bool_(False), kv_len=kv, top_k=self.config.max_logprobs,
+            **extra)
 
     # -- requests (any thread) ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
@@ -452,6 +555,8 @@ class Engine:
             self._prefill()
             self._decode(max_steps=1 if (self._waiting or self._prefilling()) else self.config.decode_steps)
             self.metrics.queue(self.num_running, self.num_waiting)
+            used = sum(len(q.prompt) + len(q.output) for q in self._slots if q is not None)
+            self.metrics.kv_cache(used / (self.config.max_num_seqs * self.config.max_model_len))
             self.steps += 1
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -535,7 +640,12 @@ class Engine:
 
     def _kv_bucket(self, n: int) -> int:
         cap = self.config.slots_per_row
-        return bucket(n, min(MIN_KV_BUCKET, cap), cap)
+        return bucket(n, min(MIN_KV_BUCKET, cap), cap, KV_FACTOR)
+
+    def _decode_rows(self, n: int) -> int:
+        """The rows a decode call runs for running sequences in the first ``n`` slots (a bucket)."""
+        b = self.config.max_num_seqs
+        return min(self._round_rows(bucket(n, 1, b, ROW_FACTOR)), b)
 
     def _prefill(self) -> None:
         todo = sorted(self._prefilling(), key=lambda s: s.arrival)
@@ -562,7 +672,7 @@ class Engine:
                 self._fail(seq, "prefill", e)
         if not chunks:
             return
-        p = self._round_rows(bucket(len(chunks), 1, most))
+        p = self._round_rows(bucket(len(chunks), 1, most, ROW_FACTOR))
         rows = np.full(p, self.config.max_num_seqs, np.int32)
         ids = np.zeros((p, t), np.int32)
         targets = np.zeros((p, t), np.int32)
@@ -577,20 +687,20 @@ class Engine:
             targets[i, :len(c.targets)] = c.targets
             do_sample[i], temperature[i], top_k[i], top_p[i] = c.sampling
         end = max(c.seq.cursor + c.n for c in chunks)
-        want_prompt = self.config.max_logprobs if any(c.prompt_lp for c in chunks) else None
-        want_top = self.config.max_logprobs if any(c.top_lp for c in chunks) else None
+        want_prompt = any(c.prompt_lp for c in chunks)
         seqs = [c.seq for c in chunks]
         try:
             extra = {}
             if any(seq.images is not None for seq in seqs):
                 position_ids, image_embeds = self._image_arrays(chunks, ids.shape)
-                extra = dict(position_ids=jnp.asarray(position_ids), image_embeds=jnp.asarray(image_embeds))
+                extra = dict(position_ids=position_ids, image_embeds=image_embeds)
             pool, tok, lp, prompt = self._programs.prefill(
-                self.pool, jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(n_arr), jnp.asarray(reset),
-                jnp.asarray(final), jnp.asarray(key_data), SamplingArrays.make(do_sample, temperature, top_k, top_p),
-                jnp.asarray(targets), kv_len=self._kv_bucket(end), top_k=want_top, prompt_top_k=want_prompt, **extra)
+                self.pool, rows, ids, n_arr, reset, final, key_data,
+                SamplingArrays.make(do_sample, temperature, top_k, top_p), targets, np.bool_(want_prompt),
+                kv_len=self._kv_bucket(end),
+                top_k=self.config.max_logprobs, **extra)
             tok, lp = np.asarray(tok), jax.tree.map(np.asarray, lp)  # a failure on the device shows here at last
-            prompt = None if prompt is None else jax.tree.map(np.asarray, prompt)
+            prompt = jax.tree.map(np.asarray, prompt) if want_prompt else None
         except Exception as e:
             self._call_failed("prefill", seqs, e)
             return
@@ -729,7 +839,7 @@ class Engine:
             return
         running = [s for s, *_ in plans]
         b = self.config.max_num_seqs
-        size = min(self._round_rows(bucket(max(s.slot for s in running) + 1, 1, b)), b)
+        size = self._decode_rows(max(s.slot for s in running) + 1)
         active = np.zeros(size, bool)
         active[[s.slot for s in running]] = True  # rows past the running ones (free or prefilling) are masked out
         longest = max(n for _, _, n, _ in plans)
@@ -742,7 +852,7 @@ class Engine:
         steps = max(1, min(max_steps, *(r for _, r, _, _ in plans)))
         try:
             pool, out = self._programs.decode(
-                self.pool, jnp.asarray(active), jnp.asarray(steps, jnp.int32), rows=None if size >= b else size,
+                self.pool, active, np.int32(steps), rows=None if size >= b else size,
                 kv_len=self._kv_bucket(longest + steps), max_steps=self.config.decode_steps, top_k=want)
             toks, lps, top_ids, top_lps = (np.asarray(x) for x in out)
         except Exception as e:
@@ -767,7 +877,7 @@ class Engine:
         try:
             # a round writes k + 1 slots past a row's length and the head k − 1 more (EngineConfig.slots_per_row)
             pool, toks, consumed, lps = self._programs.verify(
-                self.pool, jnp.asarray(active), rows=None if size >= b else size,
+                self.pool, active, rows=None if size >= b else size,
                 kv_len=self._kv_bucket(longest + 2 * k), top_k=want)
             toks, consumed, (lps, top_ids, top_lps) = np.asarray(toks), np.asarray(consumed), map(np.asarray, lps)
         except Exception as e:

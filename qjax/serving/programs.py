@@ -8,11 +8,13 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from qjax.model.cache import Cache, gather_rows, scatter_rows
 from qjax.runtime.sampling import SamplingArrays, sample, split_keys, token_logprobs
 from qjax.runtime.speculative import accept, propose
+from qjax.runtime.xla_options import decode_compiler_options
 
 
 @struct.dataclass
@@ -61,8 +63,7 @@ class Programs:
             return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
         def prefill(leaves, pool: Pool, rows, ids, n, reset, final, key_data, sampling: SamplingArrays, targets,
-                    position_ids=None, image_embeds=None, *, kv_len: int, top_k: int | None,
-                    prompt_top_k: int | None):
+                    want_prompt, position_ids=None, image_embeds=None, *, kv_len: int, top_k: int):
             model = merged(leaves)
             new_rows = jnp.where(reset, rows, pool.cache.batch_size)
             cache = pool.cache.reset_rows(new_rows)
@@ -76,7 +77,9 @@ class Programs:
             keys = jnp.where(reset[:, None], key_data, gather_rows(pool.keys, rows))
             keep, sub = split_keys(jax.random.wrap_key_data(keys))
             tok = sample(logits, sub, sampling)
-            lp = token_logprobs(logits, tok, top_k) if top_k is not None else _no_logprobs(tok)
+            # the drawn token's log-probabilities, always (P rows × the vocabulary once per call: no second
+            # program for requests that ask for them)
+            lp = token_logprobs(logits, tok, top_k)
             keep = jnp.where(final[:, None], jax.random.key_data(keep), keys)
             old = gather_rows(pool.tokens, rows)
             mtp_cache, drafts = pool.mtp_cache, pool.drafts
@@ -94,9 +97,13 @@ class Programs:
                         keys=scatter_rows(pool.keys, rows, keep),
                         sampling=jax.tree.map(lambda a, v: scatter_rows(a, rows, v), pool.sampling, sampling),
                         mtp_cache=mtp_cache, drafts=drafts)
-            prompt = None
-            if prompt_top_k is not None:
-                prompt = _prompt_logprobs(model, out.hidden, targets, prompt_top_k)
+            # the prompt's log-probabilities (P × T positions × the vocabulary) only when a row asks: the data decides
+            # (one program either way; a prefill call is long enough that the branch's cost does not show)
+            p, t = targets.shape
+            zeros = (jnp.zeros((p, t), jnp.float32), jnp.zeros((p, t, top_k), jnp.int32),
+                     jnp.zeros((p, t, top_k), jnp.float32))
+            prompt = jax.lax.cond(want_prompt, lambda: tuple(x.astype(z.dtype) for x, z in zip(_prompt_logprobs(
+                model, out.hidden, targets, top_k), zeros)), lambda: zeros)
             return pool, tok, lp, prompt
 
         def decode(leaves, pool: Pool, active, steps, *, rows: int | None, kv_len: int, max_steps: int,
@@ -181,16 +188,21 @@ class Programs:
             return Pool(cache=cache_rows(pool.cache), tokens=tokens, keys=keys, sampling=sampling,
                         mtp_cache=cache_rows(pool.mtp_cache), drafts=drafts)
 
-        self._prefill = jax.jit(prefill, donate_argnums=(1,), static_argnames=("kv_len", "top_k", "prompt_top_k"))
-        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("rows", "kv_len", "max_steps", "top_k"))
-        self._verify = jax.jit(verify, donate_argnums=(1,), static_argnames=("rows", "kv_len", "top_k"))
+        self._prefill = jax.jit(prefill, donate_argnums=(1,), static_argnames=("kv_len", "top_k"))
+        # the decode programs' XLA options (CUDA graphs of the decode loop): qjax.runtime.xla_options, one place
+        graphs = decode_compiler_options()
+        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("rows", "kv_len", "max_steps", "top_k"),
+                               compiler_options=graphs)
+        self._verify = jax.jit(verify, donate_argnums=(1,), static_argnames=("rows", "kv_len", "top_k"),
+                               compiler_options=graphs)
         self._swap = jax.jit(swap, donate_argnums=(0,))
 
-    def prefill(self, pool, *args, kv_len, top_k, prompt_top_k, position_ids=None, image_embeds=None):
+    def prefill(self, pool, *args, kv_len, top_k, position_ids=None, image_embeds=None):
+        """``args``: rows, ids, n, reset, final, key_data, sampling, targets, want_prompt (a bool scalar: compute
+        the prompt's log-probabilities); ``top_k``: the log-probability alternatives (the server's max_logprobs)."""
         kind = "prefill" if image_embeds is None else "prefill_images"
-        self._note((kind, args[1].shape, kv_len, top_k, prompt_top_k))
-        return self._prefill(self.leaves, pool, *args, position_ids, image_embeds, kv_len=kv_len, top_k=top_k,
-                             prompt_top_k=prompt_top_k)
+        self._note((kind, args[1].shape, kv_len, top_k))
+        return self._prefill(self.leaves, pool, *args, position_ids, image_embeds, kv_len=kv_len, top_k=top_k)
 
     def decode(self, pool, active, steps, *, rows, kv_len, max_steps, top_k):
         self._note(("decode", rows, kv_len, max_steps, top_k))
@@ -203,7 +215,7 @@ class Programs:
 
     def swap(self, pool, a: int, b: int):
         self._note(("swap",))
-        return self._swap(pool, jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+        return self._swap(pool, np.int32(a), np.int32(b))  # host scalars: no eager conversion program per call
 
 
 def _no_logprobs(tokens):
