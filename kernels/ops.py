@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from . import gdn_pallas, indexing, moe_pallas, moe_reference, qmatmul_pallas
 from . import qmatmul_reference as reference
 from .dispatch import resolve
-from .gdn_reference import gated_delta_step_reference
+from .gdn_reference import gated_delta_decode_reference, gated_delta_step_reference
 from .quant_meta import QuantMeta
 
 # Rows up to which a dense layer inside a [G, N, K] stack is read in place by the Pallas kernel: below ~200 rows a
@@ -94,3 +94,25 @@ def gated_delta_step(q, k, v, g, beta, state, *, impl: str | None = None, layer=
         return gdn_pallas.gated_delta_step_pallas(q, k, v, g, beta, state, layer=layer,
                                                   interpret=which == "interpret")
     return gated_delta_step_reference(q, k, v, g, beta, state, layer=layer)
+
+
+def gated_delta_decode(mixed_qkv, a, b, conv_state, conv_weight, A_log, dt_bias, recurrent_state, *,
+                       impl: str | None = None, layer=None, weight_layer=None, keep=None):
+    """One decode token of a Gated DeltaNet layer from its input projections: the causal conv step over the window,
+    SiLU, the q/k/v split, ``g = −exp(A_log)·softplus(a + dt_bias)``, ``β = sigmoid(b)`` and the recurrence →
+    ``(o [B, Hv, Dv]`` in mixed_qkv's dtype, new conv window, new recurrent state); shapes, ``layer`` (both states
+    are ``[L, …]`` stacks, updated in place), ``weight_layer`` (conv_weight, A_log, dt_bias are ``[L', …]`` stacks,
+    read in place) and ``keep`` (``[B]`` bool: False leaves a padding row's states as they are) as
+    :func:`.gdn_reference.gated_delta_decode_reference`.
+
+    With the Pallas kernels (and power-of-two head dims) one kernel does it all (:func:`.gdn_pallas.
+    gated_delta_decode_pallas`); otherwise the reference, the model's unfused ops in their order.
+    """
+    which = resolve(impl, mixed_qkv.dtype)
+    if which in ("pallas", "interpret") and gdn_pallas.decode_supported(mixed_qkv.shape[-1], recurrent_state.shape,
+                                                                        conv_weight.shape[-1]):
+        return gdn_pallas.gated_delta_decode_pallas(mixed_qkv, a, b, conv_state, conv_weight, A_log, dt_bias,
+                                                    recurrent_state, layer=layer, weight_layer=weight_layer,
+                                                    keep=keep, interpret=which == "interpret")
+    return gated_delta_decode_reference(mixed_qkv, a, b, conv_state, conv_weight, A_log, dt_bias, recurrent_state,
+                                        layer=layer, weight_layer=weight_layer, keep=keep)

@@ -56,9 +56,10 @@ def test_logits_unchanged_through_pallas_entry_points(name, tmp_path, monkeypatc
             (gu[3].fmt, dn[3].fmt)) or real_moe(x, idx, w, gu, dn, **kw))
     from qjax.kernels import gdn_pallas
 
-    gdn_steps = []  # decode steps of the GDN layers: the fused kernel, with the state inside the layer stack
-    real_gdn = gdn_pallas.gated_delta_step_pallas
-    monkeypatch.setattr(gdn_pallas, "gated_delta_step_pallas",
+    gdn_steps = []  # decode steps of the GDN layers: the fused decode kernel (conv step, gating, recurrence), with
+    # the window and the state inside their layer stacks
+    real_gdn = gdn_pallas.gated_delta_decode_pallas
+    monkeypatch.setattr(gdn_pallas, "gated_delta_decode_pallas",
                         lambda *a, **kw: gdn_steps.append(kw.get("layer") is not None) or real_gdn(*a, **kw))
     ids = np.random.default_rng(0).integers(0, 512, (2, 21)).astype(np.int32)
     logits = {}

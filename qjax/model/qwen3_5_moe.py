@@ -17,7 +17,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from qjax.kernels import accum_dtype, dot_precision, gated_delta_step, matmul_accumulated, sigmoid, silu
+from qjax.kernels import (
+    accum_dtype,
+    dot_precision,
+    gated_delta_decode,
+    gated_delta_step,
+    indexing,
+    matmul_accumulated,
+    sigmoid,
+    silu,
+)
 from qjax.model import gdn
 from qjax.model.cache import Cache, GDNState, KVState, gather_rows, read_layer, scatter_rows, write_layer, write_tokens
 from qjax.model.config import FULL, LINEAR, TextConfig, VisionConfig
@@ -185,16 +194,18 @@ class Conv1d(nnx.Module):
     def __init__(self, channels: int, kernel: int, *, dtype, rngs: nnx.Rngs | None):
         self.weight = nnx.Param(init_normal(rngs, (channels, 1, kernel), kernel ** -0.5, dtype))
 
-    def __call__(self, x: jnp.ndarray, window: jnp.ndarray, span: jnp.ndarray | None = None
+    def __call__(self, x: jnp.ndarray, window: jnp.ndarray, span: jnp.ndarray | None = None, layer=None
                  ) -> tuple[jnp.ndarray, jnp.ndarray]:
         """``x [B, T, C]``, ``window [B, K-1, C]`` (previous inputs) → (``[B, T, C]`` pre-activation, new window).
 
         ``span [B]``: the new window ends after the first ``span[b]`` inputs of row b (its last real token: right
-        padding stays out of it, and a row with no real token keeps its window); None: after all T."""
+        padding stays out of it, and a row with no real token keeps its window); None: after all T. ``layer``: the
+        weight is the layer scan's ``[L, C, 1, K]`` stack and this is layer ``layer``."""
         kernel = self.weight.shape[-1]
         xc = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
         acc = accum_dtype(x.dtype)
-        w = self.weight[...][:, 0, :].astype(acc)  # [C, K]
+        w = self.weight[...] if layer is None else indexing.take(self.weight[...], layer)
+        w = w[:, 0, :].astype(acc)  # [C, K]
         # converted once, then sliced: the same values as converting each tap, but the backward (AutoRound's tuning
         # step) sums the taps' cotangents in fp32 and rounds once, where per-tap converts made XLA fuse a chain of
         # bf16 round trips it recomputed for every tap (11 % of a bf16 GDN layer's tuning iteration)
@@ -239,21 +250,34 @@ class GatedDeltaNet(nnx.Module):
             x = x * ctx.token_mask[..., None].astype(x.dtype)
         mixed = self.in_proj_qkv(x, layer)
         z = self.in_proj_z(x, layer).reshape(b, t, self.num_v_heads, self.head_v_dim)
-        beta = sigmoid(self.in_proj_b(x, layer))
+        b_in = self.in_proj_b(x, layer)
         a = self.in_proj_a(x, layer)
+        if t == 1 and state is not None and ctx.rows is None and layer is not None and not ctx.keep_steps:
+            # decode over the whole cache with the weights read in their stacks: one kernel runs the conv step,
+            # SiLU, the decay, β and the recurrence, and writes this layer's conv window and state in place inside
+            # the cache's stacks, and reads the conv weight, A_log and dt_bias in theirs (on CPU the reference: the
+            # ops below, unfused, in their order)
+            keep = None if ctx.token_mask is None else ctx.token_mask[:, 0]
+            o, conv, rec = gated_delta_decode(mixed[:, 0], a[:, 0], b_in[:, 0], state.conv,
+                                              self.conv1d.weight[...][:, :, 0, :], self.A_log[...], self.dt_bias[...],
+                                              state.recurrent, layer=ctx.cache_layer, weight_layer=layer, keep=keep)
+            return self._output(o[:, None], z, layer), state.replace(conv=conv, recurrent=rec)
+        beta = sigmoid(b_in)
         if state is not None:
             cg, rows = ctx.cache_layer, ctx.rows
             window = read_layer(state.conv, cg, rows)
         else:
             window = jnp.zeros((b, self.conv_kernel - 1, mixed.shape[-1]), mixed.dtype)
         pre_conv = mixed
-        mixed, new_window = self.conv1d(mixed, window, None if state is None else ctx.span)
+        mixed, new_window = self.conv1d(mixed, window, None if state is None else ctx.span, layer)
         mixed = silu(mixed)
         q = mixed[..., :self.key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = mixed[..., self.key_dim:2 * self.key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
         v = mixed[..., 2 * self.key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
         acc = accum_dtype(x.dtype)
-        g = -jnp.exp(self.A_log[...].astype(acc)) * jax.nn.softplus(a.astype(acc) + self.dt_bias[...].astype(acc))
+        a_log, dt_bias = (p[...] if layer is None else indexing.take(p[...], layer) for p in (self.A_log,
+                                                                                           self.dt_bias))
+        g = -jnp.exp(a_log.astype(acc)) * jax.nn.softplus(a.astype(acc) + dt_bias.astype(acc))
         if ctx.token_mask is not None:
             # β = g = 0 makes a padded step an exact no-op on the state, wherever the pad sits
             keep = ctx.token_mask[..., None]
@@ -271,11 +295,6 @@ class GatedDeltaNet(nnx.Module):
             rec = write_layer(rec, cg, rows, s)
             steps = write_layer(steps, cg, rows, per_token)
             conv_steps = write_layer(state.conv_steps, cg, rows, jnp.concatenate([window, pre_conv], axis=1))
-        elif t == 1 and rec is not None and rows is None and layer is not None:
-            # decode over the whole cache with the weights read in their stacks: one kernel reads and writes this
-            # layer's state in place inside the stack
-            o, rec = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], rec, layer=cg)
-            o = o[:, None]
         else:
             init = None if rec is None else read_layer(rec, cg, rows)
             if t == 1:  # some of the cache's rows, or on a mesh (heads sharded: the reference)
@@ -288,14 +307,19 @@ class GatedDeltaNet(nnx.Module):
                 o, s = gdn.chunk_gated_delta_rule(q, k, v, g, beta, init)
             if rec is not None:
                 rec = write_layer(rec, cg, rows, s)
-        o = self.norm(o.astype(x.dtype), z)
-        out = self.out_proj(o.reshape(b, t, self.value_dim), layer)
+        out = self._output(o.astype(x.dtype), z, layer)
         new_state = None
         if state is not None:
             new_state = state.replace(conv=write_layer(state.conv, cg, rows, new_window), recurrent=rec)
             if ctx.keep_steps:
                 new_state = new_state.replace(steps=steps, conv_steps=conv_steps)
         return out, new_state
+
+    def _output(self, o: jnp.ndarray, z: jnp.ndarray, layer) -> jnp.ndarray:
+        """The gated norm and ``out_proj`` of the recurrence's output ``o [B, T, Hv, Dv]`` (z: the gate, same shape)
+        → ``[B, T, H]``."""
+        b, t = o.shape[:2]
+        return self.out_proj(self.norm(o, z).reshape(b, t, self.value_dim), layer)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -497,7 +521,10 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         # mesh, tensor and expert parallelism shard the weights per layer, so they are sliced as before.
         stacked = self.mesh_plan is None
         if stacked:
-            readers = frozenset(path for path, node in nnx.iter_graph(self.groups) if isinstance(node, _STACK_READERS))
+            nodes = list(nnx.iter_graph(self.groups))
+            readers = frozenset(path for path, node in nodes if isinstance(node, _STACK_READERS))
+            readers |= frozenset((*path, name) for path, node in nodes for kind, names in _STACK_READ_VARIABLES
+                                 if isinstance(node, kind) for name in names)
             graphdef, whole, state = nnx.split(self.groups, functools.partial(_read_in_stack, readers), ...)
         else:
             graphdef, state = nnx.split(self.groups)
@@ -642,13 +669,17 @@ def _advanced(cache: Cache, slots: tuple, ctx: StepContext, mask: jnp.ndarray, r
 
 
 # modules whose __call__ takes ``layer`` and indexes every one of their variables with it (through the kernels)
-_STACK_READERS = (Linear, Experts)
+_STACK_READERS = (Linear, Experts, Conv1d)
+# variables of other modules indexed the same way by their module: the GDN's decay parameters (the fused decode
+# kernel reads them, and the conv weight, inside their stacks; a sliced layer would be a copy before the kernel)
+_STACK_READ_VARIABLES = ((GatedDeltaNet, ("A_log", "dt_bias")),)
 
 
 def _read_in_stack(readers: frozenset, path, value) -> bool:
     """Variables the layer scan passes whole (``[G, …]``): those of the modules at ``readers`` (their paths, the
-    :data:`_STACK_READERS` of the group), which read layer g inside the stack themselves."""
-    return any(tuple(path[:i]) in readers for i in range(1, len(path)))
+    :data:`_STACK_READERS` of the group) and the variables at ``readers`` (:data:`_STACK_READ_VARIABLES`), which are
+    read at layer g inside the stack by the code that uses them."""
+    return any(tuple(path[:i]) in readers for i in range(1, len(path) + 1))
 
 
 def layer_period(cfg: TextConfig, quant: ModelQuant | None) -> tuple:
