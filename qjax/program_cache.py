@@ -12,7 +12,10 @@ shape, dtype and sharding, the versions of jax, jaxlib, flax, optax and numpy, t
 ``qjax.convert`` packages). A description whose ``repr`` shows an object address (``0x…``, not stable across
 processes) is not cached. A file that cannot be read back, or whose inputs do not match the call, is reported in
 one line and replaced; when a program cannot be stored (an output type ``jax.export`` cannot serialize without
-``out_structure``, or ``flatbuffers`` missing) the function runs as a plain ``jax.jit``, with one log line.
+``out_structure``, or ``flatbuffers`` missing) the function runs as a plain ``jax.jit``, with one log line; so does a
+stored program that XLA refuses at its first call here (one warning). Donated arguments and XLA compiler options
+(``jax.jit``'s ``donate_argnums`` and ``compiler_options``) apply to every program alike: traced here, read back, or
+the plain ``jax.jit``.
 
 Only for functions whose behaviour is fully determined by qjax's code and the ``static`` description (qjax's own
 jitted programs): a user function closing over changing Python state would be served a stale program.
@@ -68,6 +71,12 @@ def _trace_options() -> tuple:
     return tuple((n, str(getattr(jax.config, n, None))) for n in _TRACE_OPTIONS)
 
 
+# Custom calls jax.export refuses by default because their targets keep no compatibility across jax releases: Pallas's
+# Triton kernels (the serving programs on GPU). A stored program is only read back by the jax and jaxlib that wrote
+# it (their versions are in its key), so it needs none.
+_SAME_RELEASE_CUSTOM_CALLS = ("__gpu$xla.gpu.triton",)
+
+
 def _reason(e: Exception) -> str:
     """An exception as one short log fragment: its type and the first line of its message."""
     lines = str(e).splitlines()
@@ -80,6 +89,12 @@ def _signature(args: tuple) -> tuple:
     return leaves, tree, (tree, tuple(_leaf_signature(x) for x in leaves))
 
 
+def _leaf_key(x) -> tuple:
+    """What a traced program depends on of one input, as a cheap in-memory key (the per-call lookup): its abstract
+    value and its sharding (None for host data). The same inputs as :func:`_leaf_signature`, without the reprs."""
+    return jax.typeof(x), getattr(x, "sharding", None)
+
+
 def _leaf_signature(x) -> tuple:
     """What a traced program depends on of one input: shape, dtype, weak type and sharding."""
     aval = jax.typeof(x)
@@ -87,13 +102,15 @@ def _leaf_signature(x) -> tuple:
             repr(getattr(x, "sharding", None)))
 
 
-def _pinned(fn: Callable, leaves) -> Callable:
-    """``jax.jit(fn)`` with every input's sharding fixed: a committed input's own, every other input's where jit
-    would put it (beside the committed ones: replicated over their mesh, or on their one device).
+def _pinned(fn: Callable, leaves, donate: tuple[int, ...] = (), compiler_options: dict | None = None) -> Callable:
+    """``jax.jit(fn, donate_argnums=donate, compiler_options=compiler_options)`` with every input's sharding fixed: a
+    committed input's own, every other input's where jit would put it (beside the committed ones: replicated over
+    their mesh, or on their one device).
 
     Without it jit compiles a signature's program once more for every pattern of committed and uncommitted inputs
     (an array a computation or ``device_put`` placed, against one made from host data): the same shapes and devices,
     a second compile — AutoRound's first block compiled its layer forward twice (2 s on CPU)."""
+    options = {"donate_argnums": donate, "compiler_options": compiler_options}
     committed = [isinstance(x, jax.Array) and x.committed for x in leaves]
     placed = [x.sharding for x, c in zip(leaves, committed) if c]
     devices = {d for s in placed for d in s.device_set}
@@ -103,8 +120,8 @@ def _pinned(fn: Callable, leaves) -> Callable:
     elif len(meshes) == 1 and devices == set(next(iter(meshes)).devices.flat):
         rest = NamedSharding(meshes.pop(), P())
     else:  # committed inputs on unrelated device sets: jit's own rules decide (and report)
-        return jax.jit(fn)
-    return jax.jit(fn, in_shardings=tuple(x.sharding if c else rest for x, c in zip(leaves, committed)))
+        return jax.jit(fn, **options)
+    return jax.jit(fn, in_shardings=tuple(x.sharding if c else rest for x, c in zip(leaves, committed)), **options)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -116,35 +133,75 @@ class ProgramCache:
     processes sharing ``folder``. ``static``: anything with a stable ``repr`` that, with qjax's code, determines what
     ``fn`` computes (its static arguments). ``out_structure(args) → PyTreeDef`` of ``fn(*args)``'s result, needed when
     the result holds types ``jax.export`` cannot serialize (optax states, flax ``State``s); without it the result may
-    only hold dicts, lists, tuples, None and arrays.
+    only hold dicts, lists, tuples, None and arrays. ``donate_argnums``, ``compiler_options``: as ``jax.jit``'s (every
+    leaf of a donated positional argument is donated), for the program whether traced, read back or plain.
 
     Equal only to itself (a handle, not a value): the jitted functions memoised per handle read the folder again
     through a new handle."""
 
     folder: str | None
 
-    def jit(self, fn: Callable, static: Any, *, out_structure: Callable[[tuple], Any] | None = None) -> Callable:
-        return _Cached(self, fn, repr(static), out_structure)
+    def jit(self, fn: Callable, static: Any, *, out_structure: Callable[[tuple], Any] | None = None,
+            donate_argnums: int | tuple[int, ...] = (), compiler_options: dict[str, Any] | None = None) -> Callable:
+        donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        return _Cached(self, fn, repr(static), out_structure, donate, compiler_options)
 
     def path(self, key: str) -> str:
         return os.path.join(self.folder, f"{key}.jaxexport")
 
 
 class _Cached:
-    def __init__(self, cache: ProgramCache, fn: Callable, static: str, out_structure):
+    def __init__(self, cache: ProgramCache, fn: Callable, static: str, out_structure, donate: tuple[int, ...],
+                 compiler_options: dict[str, Any] | None):
         self.cache, self.fn, self.static, self.out_structure = cache, fn, static, out_structure
-        self.calls: dict[tuple, Callable] = {}  # input signature → the callable on the input leaves
+        self.donate, self.compiler_options = donate, compiler_options
+        # jax's compile logs and events name the traced function (a functools.partial: the function it binds)
+        self.name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "fn")
+        self.calls: dict[tuple, Callable] = {}  # input key (_leaf_key) → the callable on the input leaves
         self.loaded = self.stored = 0  # programs read back / written by this object (tests, logs)
 
     def __call__(self, *args):
-        leaves, tree, sig = _signature(args)
-        call = self.calls.get(sig)
-        if call is None:
-            call = self.calls[sig] = self._program(sig, tree, leaves)
-        out = call(*leaves)
+        leaves, tree = jax.tree.flatten(args)
+        # the per-call lookup: abstract values and sharding objects, hashed (a tenth of the reprs' cost: ~0.05 ms
+        # for the serving programs' ~110 inputs on the built-in model); the reprs only make a new program's file key
+        key = (tree, tuple(map(_leaf_key, leaves)))
+        call = self.calls.get(key)
+        if call is not None:
+            out = call(*leaves)
+        else:
+            out = self._first_call(key, args, tree, leaves)
         if self.out_structure is not None:
             return jax.tree.unflatten(self.out_structure(args), out)
         return out
+
+    def _first_call(self, key, args, tree, leaves):
+        """A new input signature: its program (read back, traced and stored, or plain) called once, then kept."""
+        donate = self._donated(args)
+        call, kept = self._program((tree, tuple(_leaf_signature(x) for x in leaves)), tree, leaves, donate)
+        try:
+            out = call(*leaves)
+        except Exception as e:
+            if not kept or any(isinstance(leaves[i], jax.Array) and leaves[i].is_deleted() for i in donate):
+                raise
+            # an exported program XLA will not compile here (its inputs are intact): the function's own trace is
+            # what jax.jit would have run
+            logger.warning("%s: its kept program failed here (%s); tracing the function instead", self.name,
+                           _reason(e))
+            call = _pinned(self._flat(tree), leaves, donate, self.compiler_options)
+            out = call(*leaves)
+        self.calls[key] = call
+        return out
+
+    def _donated(self, args: tuple) -> tuple[int, ...]:
+        """The flat leaf positions of the donated positional arguments."""
+        out, at = [], 0
+        donate = {i % len(args) for i in self.donate} if args else set()
+        for i, a in enumerate(args):
+            n = len(jax.tree.leaves(a))
+            if i in donate:
+                out.extend(range(at, at + n))
+            at += n
+        return tuple(out)
 
     def path_for(self, *args) -> str | None:
         """The file that holds (or will hold) the program of a call with ``args``; None when it is not kept."""
@@ -163,36 +220,46 @@ class _Cached:
     def lower(self, *args):
         """The program of a call with ``args``, lowered (``jax.stages.Lowered``, for inspection; nothing is stored)."""
         leaves, tree, _ = _signature(args)
-        return _pinned(self._flat(tree), leaves).lower(*leaves)
+        return _pinned(self._flat(tree), leaves, self._donated(args), self.compiler_options).lower(*leaves)
 
     def _flat(self, tree) -> Callable:
         """``fn`` on the flat input leaves of ``tree`` (and, with ``out_structure``, returning flat leaves)."""
         def flat(*xs):
-            out = self.fn(*jax.tree.unflatten(tree, xs))
-            return out if self.out_structure is None else jax.tree.leaves(out)
+            args = jax.tree.unflatten(tree, xs)
+            out = self.fn(*args)
+            if self.out_structure is None:
+                return out
+            # a wrong out_structure would otherwise hand back a result rebuilt in another shape
+            if jax.tree.structure(out) != self.out_structure(args):
+                raise ValueError(f"{self.name}: its result's tree differs from out_structure(args)")
+            return jax.tree.leaves(out)
+        flat.__name__ = flat.__qualname__ = self.name
         return flat
 
-    def _program(self, sig, tree, leaves) -> Callable:
+    def _program(self, sig, tree, leaves, donate: tuple[int, ...]) -> tuple[Callable, bool]:
+        """The callable on the input leaves, and whether it runs an exported program (read back or just stored)."""
         flat = self._flat(tree)
+        options = self.compiler_options
         path = self._path(sig)
         if path is None:
-            return _pinned(flat, leaves)
+            return _pinned(flat, leaves, donate, options), False
         if os.path.exists(path):
             exported = self._read(path, leaves)
             if exported is not None:
                 self.loaded += 1
                 logger.debug("traced program loaded from %s", path)
-                return _pinned(exported.call, leaves)
+                return _pinned(exported.call, leaves, donate, options), True
         try:
-            exported = jax.export.export(jax.jit(flat))(*leaves)
+            checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in _SAME_RELEASE_CUSTOM_CALLS]
+            exported = jax.export.export(jax.jit(flat), disabled_checks=checks)(*leaves)
             data = exported.serialize()
         except Exception as e:  # noqa: BLE001 - any reason not to store falls back to the plain jit
             logger.info("program not kept between runs (%s); tracing it in every run", _reason(e))
-            return _pinned(flat, leaves)
+            return _pinned(flat, leaves, donate, options), False
         if self._write(path, data):
             self.stored += 1
             logger.debug("traced program stored in %s", path)
-        return _pinned(exported.call, leaves)
+        return _pinned(exported.call, leaves, donate, options), True
 
     @staticmethod
     def _read(path: str, leaves):

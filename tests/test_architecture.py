@@ -29,7 +29,7 @@ ROOMS = {
     "autoround": {"checkpoint", "convert", "model", "quant", "kernels", "validation", "xla_env", "program_cache",
                   "init"},
     "runtime": {"checkpoint", "convert", "model", "multimodal", "quant", "kernels", "validation"},
-    "serving": {"runtime", "model", "multimodal", "tokenizer", "validation"},
+    "serving": {"runtime", "model", "multimodal", "tokenizer", "kernels", "validation", "program_cache"},
     "evaluation": {"runtime", "checkpoint", "model", "tokenizer", "validation", "init"},
     "builtin": {"evaluation", "runtime", "checkpoint", "model", "tokenizer", "validation"},
     "cli": {"autoround", "builtin", "checkpoint", "convert", "evaluation", "model", "multimodal", "runtime", "serving",

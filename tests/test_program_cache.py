@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -226,3 +227,45 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch, caplog):
         _same(c(*args), jax.jit(_body)(*args))
     assert "could not store the traced program" in caplog.text and "No space left" in caplog.text
     assert c.stored == 0 and _files(tmp_path / "programs") == []
+
+
+class _Step(NamedTuple):  # a result type jax.export cannot serialize: without out_structure, the plain-jit fallback
+    x: jax.Array
+
+
+@pytest.mark.parametrize("kept", ["nothing", "stored", "loaded", "not exportable"])
+def test_donation_and_compiler_options_reach_every_program(tmp_path, kept, caplog):
+    """``donate_argnums`` (every leaf of a donated argument) and ``compiler_options`` apply alike to a program traced
+    and stored here, one read back, the plain jit of an unkept description, and the fallback when jax.export refuses
+    the result: the donated input is consumed, the other not; an unknown XLA option is refused when it compiles."""
+    def step(state, w):
+        return {"a": state["a"] * 2 + w["b"].sum(), "b": state["b"] - 1}
+
+    def wrapped(state, w):
+        return _Step(step(state, w)) if kept == "not exportable" else step(state, w)
+
+    def state():
+        return {"a": jnp.arange(3.0), "b": jnp.ones((2, 2))}
+
+    folder = None if kept == "nothing" else str(tmp_path)
+    w = _args()[1]
+    want = jax.jit(step)(state(), w)
+    for options, ok in (({"xla_cpu_enable_fast_math": False}, True), ({"xla_no_such_option": True}, False)):
+        if kept == "loaded":
+            ProgramCache(folder).jit(wrapped, ("step", ok))(state(), w)
+        fn = ProgramCache(folder).jit(wrapped, ("step", ok), donate_argnums=0, compiler_options=options)
+        s = state()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, "qjax.programs"):
+            if not ok:
+                with pytest.raises(Exception, match="xla_no_such_option"):
+                    fn(s, w)
+                # a kept program met the option first (then the function's own trace, which fails alike)
+                assert ("kept program failed here" in caplog.text) == (kept in ("stored", "loaded")), caplog.text
+                continue
+            out = fn(s, w)
+        _same(out.x if kept == "not exportable" else out, want)
+        assert all(x.is_deleted() for x in jax.tree.leaves(s)) and not any(x.is_deleted() for x in jax.tree.leaves(w))
+        assert (fn.stored, fn.loaded) == {"nothing": (0, 0), "stored": (1, 0), "loaded": (0, 1),
+                                          "not exportable": (0, 0)}[kept]
+

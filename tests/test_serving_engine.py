@@ -7,6 +7,7 @@ call) ends alone with "error" while the others get their tokens alone (more in t
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from serve_util import alone
 
 import qjax
 from qjax.checkpoint.hub import default_model_dir
+from qjax.program_cache import ProgramCache
 from qjax.serving import Engine, EngineConfig, EngineError, SamplingParams
 
 _TRACES = []
@@ -498,3 +500,44 @@ def test_compile_times_split_a_first_call_into_its_stages():
         t.start()
         t.join()
     assert again == {}, again
+
+
+def test_kept_programs_give_the_same_outputs_and_are_not_traced_again(model, engine, tmp_path, caplog):
+    """With a ProgramCache the engine's programs are traced once and stored; a second engine on the folder (a new
+    handle, as a new process has) reads every one back and traces none; both give exactly the outputs of an engine
+    without it: greedy and seeded sampled tokens, their top log-probabilities, prompt log-probabilities."""
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 130))]
+    params = [SamplingParams(max_tokens=6, logprobs=2, prompt_logprobs=1, **GREEDY),
+              SamplingParams(max_tokens=6, seed=7, logprobs=2, **SAMPLED)]
+
+    def outputs(eng):
+        return [(o.new_token_ids, o.new_logprobs, o.prompt_logprobs, o.finish_reason)
+                for o in eng.generate(prompts, params)]
+
+    want = outputs(engine)
+    names = ("prefill", "decode", "verify", "swap")  # the engine's functions (a kept program traces as its own)
+    traced = []
+
+    def listen(event, secs, fun_name=None, **_):
+        if event == "/jax/core/compile/jaxpr_trace_duration" and fun_name in names:
+            traced.append(fun_name)
+
+    runs = []
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for _ in range(2):
+            traced.clear()
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="qjax.programs"):
+                eng = Engine(model, CFG, eos_token_ids=eos_of(model), programs=ProgramCache(str(tmp_path)))
+                got = outputs(eng)
+            runs.append((got, list(traced), [r.getMessage().split(" ")[2] for r in caplog.records], eng.compiled))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    (got1, traced1, log1, compiled1), (got2, traced2, log2, compiled2) = runs
+    assert got1 == want and got2 == want
+    n = len(compiled1)
+    assert n >= 2 and compiled2 == compiled1 and len(traced1) == n, (compiled1, traced1)
+    assert log1 == ["stored"] * n and log2 == ["loaded"] * n, (log1, log2)
+    assert traced2 == [] and len(list(tmp_path.iterdir())) == n
+

@@ -382,6 +382,7 @@ def _serve(a: argparse.Namespace) -> int:
     import qjax
     from qjax.checkpoint.loading import with_fp8_kv_cache
     from qjax.model.config import GenerationConfig
+    from qjax.program_cache import program_cache
     from qjax.serving.api import ServerState, create_app
     from qjax.serving.engine import Engine, EngineConfig, EngineError
     from qjax.serving.metrics import ServerMetrics
@@ -448,7 +449,8 @@ def _serve(a: argparse.Namespace) -> int:
                                             max_num_batched_tokens=a.max_num_batched_tokens,
                                             decode_steps=a.num_scheduler_steps, max_logprobs=a.max_logprobs,
                                             num_speculative_tokens=spec_tokens),
-                        eos_token_ids=eos, metrics=metrics, seed=a.seed)
+                        eos_token_ids=eos, metrics=metrics, seed=a.seed,
+                        programs=program_cache(cache))  # traced programs kept beside the compiled ones
     except EngineError as e:  # a configuration the engine refuses (the message names the setting)
         raise ServeError(str(e)) from None
     from importlib.metadata import version

@@ -75,6 +75,7 @@ import numpy as np
 from qjax.multimodal.positions import PromptError
 from qjax.model.vision import patch_buckets
 from qjax.multimodal.prompt import check_vision, image_processor
+from qjax.program_cache import ProgramCache
 from qjax.runtime.sampling import SamplingArrays, kept_key_data, seed_key_data
 from qjax.runtime.speculative import SpeculativeStats
 
@@ -255,8 +256,10 @@ class Engine:
     :meth:`abort`, :meth:`start`, :meth:`shutdown`; :meth:`step` runs on one thread at a time."""
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_token_ids: Sequence[int] = (),
-                 metrics: EngineMetricsSink | None = None, seed: int | None = None):
-        """``seed``: seeds the random seeds of requests that give none (None: fresh randomness)."""
+                 metrics: EngineMetricsSink | None = None, seed: int | None = None,
+                 programs: ProgramCache | None = None):
+        """``seed``: seeds the random seeds of requests that give none (None: fresh randomness). ``programs``: where
+        the device programs are kept traced between processes (a warm start skips tracing; None: traced in each)."""
         plan = model.mesh_plan
         self._data = 1 if plan is None else plan.size("data")
         config.check(model.config.max_position_embeddings, self._data)
@@ -272,7 +275,7 @@ class Engine:
                               "no mtp.* weights")
         if self.k and model.mesh_plan is not None:
             raise EngineError("speculative decoding runs on one device; serve without a mesh or without it")
-        self._programs = Programs(model, self.compiled.add, self.k)
+        self._programs = Programs(model, self.compiled.add, self.k, programs)
         # what speculation did since the engine started (every row's verify rounds); None without it
         self.speculation = SpeculativeStats(num_speculative_tokens=self.k) if self.k else None
         b = config.max_num_seqs

@@ -4,6 +4,8 @@ prefill, decode, verify, the row swap), each closed over the model's graph and c
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Callable
 
 import jax
@@ -11,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from qjax.kernels import resolve as kernel_impl
 from qjax.model.cache import Cache, gather_rows, scatter_rows
+from qjax.program_cache import ProgramCache
 from qjax.runtime.sampling import SamplingArrays, sample, split_keys, token_logprobs
 from qjax.runtime.speculative import accept, propose
 from qjax.runtime.xla_options import decode_compiler_options
@@ -51,8 +55,9 @@ def _row_fields(x: SamplingArrays, rows) -> SamplingArrays:
 class Programs:
     """The engine's jitted programs, closed over the model's graph (only arrays are passed per call)."""
 
-    def __init__(self, model, compiled: Callable[[tuple], None], k: int = 0):
-        """``k``: MTP drafts per verify round (0: plain decoding)."""
+    def __init__(self, model, compiled: Callable[[tuple], None], k: int = 0, programs: ProgramCache | None = None):
+        """``k``: MTP drafts per verify round (0: plain decoding). ``programs``: where the traced programs are kept
+        between processes (a warm start then neither traces nor lowers them); None: plain ``jax.jit``."""
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
         self.leaves = leaves
@@ -188,9 +193,18 @@ class Programs:
             return Pool(cache=cache_rows(pool.cache), tokens=tokens, keys=keys, sampling=sampling,
                         mtp_cache=cache_rows(pool.mtp_cache), drafts=drafts)
 
-        self._prefill = jax.jit(prefill, donate_argnums=(1,), static_argnames=("kv_len", "top_k"))
         # the decode programs' XLA options (CUDA graphs of the decode loop): qjax.runtime.xla_options, one place
         graphs = decode_compiler_options()
+        if programs is not None:
+            model_key = _model_key(model, graphdef, treedef, k)
+            kept = functools.partial(_Kept, programs, model_key)
+            # results: the pool (its tree is the input pool's) and tuples of arrays (token_logprobs' three)
+            self._prefill = kept(prefill, 1, None, lambda a: jax.tree.structure((a[1], 0, (0,) * 3, (0,) * 3)))
+            self._decode = kept(decode, 1, graphs, lambda a: jax.tree.structure((a[1], (0,) * 4)))
+            self._verify = kept(verify, 1, graphs, lambda a: jax.tree.structure((a[1], 0, 0, (0,) * 3)))
+            self._swap = kept(swap, 0, None, lambda a: jax.tree.structure(a[0]))
+            return
+        self._prefill = jax.jit(prefill, donate_argnums=(1,), static_argnames=("kv_len", "top_k"))
         self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("rows", "kv_len", "max_steps", "top_k"),
                                compiler_options=graphs)
         self._verify = jax.jit(verify, donate_argnums=(1,), static_argnames=("rows", "kv_len", "top_k"),
@@ -216,6 +230,42 @@ class Programs:
     def swap(self, pool, a: int, b: int):
         self._note(("swap",))
         return self._swap(pool, np.int32(a), np.int32(b))  # host scalars: no eager conversion program per call
+
+
+def _model_key(model, graphdef, treedef, k: int) -> tuple:
+    """What of the model decides the engine's traced programs, as a value with a stable ``repr``: its config, packed
+    weights' layout, dtype, MTP head and vision tower, mesh plan, and (catch-all) a digest of its graph and of its
+    state's tree — the functions close over both. A graph whose ``repr`` shows an object address is kept as it is, so
+    that :class:`ProgramCache` sees the address and does not store the programs."""
+    graph = repr(graphdef) + repr(treedef)
+    if "0x" not in graph:
+        graph = hashlib.sha256(graph.encode()).hexdigest()
+    return (model.config, model.quant, str(jnp.dtype(model.dtype)), getattr(model, "mtp", None) is not None,
+            getattr(model, "visual", None) is not None, model.mesh_plan, k, graph)
+
+
+class _Kept:
+    """One engine program through a :class:`ProgramCache`: ``jax.jit(fn, donate_argnums=(donate,),
+    static_argnames=…, compiler_options=…)``'s calls, each static keyword combination (and kernel implementation)
+    its own kept function with the keywords bound."""
+
+    def __init__(self, programs: ProgramCache, model_key: tuple, fn: Callable, donate: int,
+                 compiler_options: dict | None, out_structure: Callable[[tuple], object]):
+        self.programs, self.model_key, self.fn, self.donate = programs, model_key, fn, donate
+        self.compiler_options, self.out_structure = compiler_options, out_structure
+        self.jitted: dict[tuple, Callable] = {}
+
+    def __call__(self, *args, **static):
+        # the kernels (reference / Pallas / interpret) are chosen when a program is traced (qjax.kernels.dispatch),
+        # so the choice in force now decides which kept program this call runs
+        key = (tuple(sorted((n, None if v is None else int(v)) for n, v in static.items())), kernel_impl())
+        jitted = self.jitted.get(key)
+        if jitted is None:
+            desc = (f"qjax.serving.programs.{self.fn.__name__}", *key, self.model_key, self.compiler_options)
+            jitted = self.jitted[key] = self.programs.jit(
+                functools.partial(self.fn, **dict(key[0])), desc, out_structure=self.out_structure,
+                donate_argnums=(self.donate,), compiler_options=self.compiler_options)
+        return jitted(*args)
 
 
 def _no_logprobs(tokens):
