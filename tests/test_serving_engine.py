@@ -482,26 +482,6 @@ def test_a_request_whose_decode_fails_on_the_device_ends_alone(model, engine, mo
     assert outs.tokens["bad"] == alone(model, bad_prompt, bad_sp)[:len(outs.tokens["bad"])]
 
 
-def test_compile_times_split_a_first_call_into_its_stages():
-    """compile_times: the trace, lowering and XLA compile of this thread's first call are counted; a second call of
-    the same program adds nothing; another thread's compile is not counted."""
-    import threading
-
-    from qjax.serving.engine import compile_times
-
-    f = jax.jit(lambda x: jnp.sin(x) * 3 + 1)
-    x = jnp.arange(7.0)
-    with compile_times() as parts:
-        f(x).block_until_ready()
-    assert {"trace", "lower", "compile"} <= set(parts) and all(v > 0 for v in parts.values()), parts
-    with compile_times() as again:
-        f(x).block_until_ready()
-        t = threading.Thread(target=lambda: jax.jit(lambda y: y - 2)(x).block_until_ready())
-        t.start()
-        t.join()
-    assert again == {}, again
-
-
 def test_kept_programs_give_the_same_outputs_and_are_not_traced_again(model, engine, tmp_path, caplog):
     """With a ProgramCache the engine's programs are traced once and stored; a second engine on the folder (a new
     handle, as a new process has) reads every one back and traces none; both give exactly the outputs of an engine
@@ -540,4 +520,3 @@ def test_kept_programs_give_the_same_outputs_and_are_not_traced_again(model, eng
     assert n >= 2 and compiled2 == compiled1 and len(traced1) == n, (compiled1, traced1)
     assert log1 == ["stored"] * n and log2 == ["loaded"] * n, (log1, log2)
     assert traced2 == [] and len(list(tmp_path.iterdir())) == n
-

@@ -553,7 +553,7 @@ def serve_app(app, engine, host: str, port: int, log_level: str, *, warmup: bool
 
 
 def describe_parts(parts: dict[str, float]) -> str:
-    """``trace 0.9, lower 0.3, XLA 7.8 s`` or ``…, from the compile cache 0.1 s`` (:func:`qjax.serving.engine.
+    """``trace 0.9, lower 0.3, XLA 7.8 s`` or ``…, from the compile cache 0.1 s`` (:func:`qjax.serving.warmup.
     compile_times`'s parts)."""
     xla = parts.get("compile", 0.0)
     last = (f"from the compile cache {xla:.1f} s" if "cache" in parts else f"XLA {xla:.1f} s")

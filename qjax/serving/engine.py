@@ -56,7 +56,6 @@ No other program is compiled while nothing fails.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -65,7 +64,7 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -80,6 +79,7 @@ from qjax.runtime.sampling import SamplingArrays, kept_key_data, seed_key_data
 from qjax.runtime.speculative import SpeculativeStats
 
 from .programs import Pool, Programs
+from .warmup import MapBudget, compile_times
 
 # the request side lives in .requests; its public names stay importable from here (api.py, protocol.py, qjax.serving)
 from .requests import (  # noqa: F401
@@ -223,34 +223,6 @@ class EngineMetricsSink:
         """One row's verify round: ``drafts`` drafts checked, the first ``accepted`` of them accepted."""
 
 
-# JAX's compile-time events (public through jax.monitoring; named in jax._src.dispatch and compiler): where a
-# program's first call spends its time
-COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
-                  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-                  "/jax/core/compile/backend_compile_duration": "compile",
-                  "/jax/compilation_cache/cache_retrieval_time_sec": "cache"}
-
-
-@contextlib.contextmanager
-def compile_times() -> Iterator[dict[str, float]]:
-    """A dict filled, while the block runs, with the seconds this thread spent tracing (``trace``), lowering to MLIR
-    (``lower``), in XLA's compile or the persistent cache's lookup (``compile``), and loading from that cache
-    (``cache``, present only on a hit)."""
-    parts: dict[str, float] = {}
-    thread = threading.get_ident()
-
-    def listener(event: str, duration: float, **_) -> None:
-        name = COMPILE_EVENTS.get(event)
-        if name is not None and threading.get_ident() == thread:
-            parts[name] = parts.get(name, 0.0) + duration
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield parts
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
 class Engine:
     """The slot pool and its scheduler (see the module docstring). Thread-safe entry points: :meth:`add_request`,
     :meth:`abort`, :meth:`start`, :meth:`shutdown`; :meth:`step` runs on one thread at a time."""
@@ -378,9 +350,11 @@ class Engine:
         if self._thread is not None:
             raise EngineError("warmup() runs before start(): it drives the programs on the calling thread")
         plan = self.warmup_plan()
+        budget = MapBudget()
         for i, (what, run) in enumerate(plan, start=1):
+            budget.check(f"the warm-up stopped before program {i} of {len(plan)} ({what})", EngineError)
             t0 = time.perf_counter()
-            with compile_times() as parts:
+            with compile_times() as parts, budget:
                 run()
                 jax.block_until_ready(self.pool)
             if progress is not None:
