@@ -131,8 +131,13 @@ def run_case(name: str, tmp: str, runs: int, timeout: float) -> dict:
     cold, warm = [], []
     for r in range(runs):
         cache = tempfile.mkdtemp(prefix=f"cache-{name}-{r}-", dir=tmp)
-        cold.append(start_once(args, env, cache, timeout))
-        warm.append(start_once(args, env, cache, timeout))
+        try:
+            cold.append(start_once(args, env, cache, timeout))
+            warm.append(start_once(args, env, cache, timeout))
+        except RuntimeError as e:  # a start that fails is a row of the table too (its last error line)
+            last = [ln for ln in str(e).splitlines() if ln.strip()][-1:] or [str(e)]
+            print(f"{name} run {r + 1}: failed: {last[0][:300]}", flush=True)
+            return dict(name=name, args=args, env=env, cold=[], warm=[], failed=last[0][:300])
         print(f"{name} run {r + 1}: cold bound {cold[-1]['bound']:.1f} s ready {cold[-1]['ready']:.1f} s, "
               f"warm ready {warm[-1]['ready']:.1f} s ({len(cold[-1]['programs'])} programs)", flush=True)
         shutil.rmtree(cache, ignore_errors=True)
@@ -145,10 +150,14 @@ def _med(rows: list[dict], key: str) -> float:
 
 def section(results: list[dict], argv: list[str]) -> str:
     lines = [SECTION, "",
-             "| case | flags | programs | cold: port bound (s) | cold: ready (s) | warm: ready (s) | of which "
+             "| case | flags | runs | programs | cold: port bound (s) | cold: ready (s) | warm: ready (s) | of which "
              "compiling, cold / warm (s) | target (cold / warm) |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
+        if r.get("failed"):
+            flags = " ".join(a if " " not in a else f"'{a}'" for a in r["args"]).replace("|", "\\|")
+            lines.append(f"| {r['name']} | `{flags}` | 1 | - | - | failed | - | - | {r['failed']} |")
+            continue
         n = len(r["cold"][0]["programs"])
         comp_cold = statistics.median(sum(p["seconds"] for p in c["programs"]) for c in r["cold"])
         comp_warm = statistics.median(sum(p["seconds"] for p in w["programs"]) for w in r["warm"])
@@ -163,11 +172,13 @@ def section(results: list[dict], argv: list[str]) -> str:
             verdict = "; ".join(parts)
         flags = " ".join(a if " " not in a else f"'{a}'" for a in r["args"]).replace("|", "\\|")
         flags = re.sub(r"/tmp\S*/(w2w4|vl)", r"<\1 export>", flags) or "(none)"
-        lines.append(f"| {r['name']} | `{flags}` | {n} | {_med(r['cold'], 'bound'):.1f} | {cold:.1f} | {warm:.1f} | "
+        lines.append(f"| {r['name']} | `{flags}` | {len(r['cold'])} | {n} | {_med(r['cold'], 'bound'):.1f} | {cold:.1f} | {warm:.1f} | "
                      f"{comp_cold:.1f} / {comp_warm:.1f} | {verdict} |")
     lines += ["", "Where a cold start goes, per program (the first cold run; seconds; trace / lowering / XLA compile "
               "from JAX's compile events):", ""]
     for r in results:
+        if r.get("failed"):
+            continue
         progs = r["cold"][0]["programs"]
         tot = {k: sum(p[k] for p in progs) for k in ("seconds", "trace", "lower", "xla")}
         lines.append(f"- **{r['name']}** ({len(progs)} programs, {tot['seconds']:.1f} s: trace {tot['trace']:.1f}, "
@@ -186,12 +197,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--runs", type=int, default=3, help="cold + warm start pairs per case (median)")
+    p.add_argument("--runs-for", default="", metavar="CASE=N,...", help="another number of runs for some cases")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a start may take before it is abandoned")
     p.add_argument("--no-write", action="store_true", help="print the section instead of writing RESULTS.md")
     argv = sys.argv[1:] if argv is None else list(argv)
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="qjax-startup-") as tmp:
-        results = [run_case(name, tmp, a.runs, a.timeout) for name in a.cases.split(",") if name]
+        runs = {c: int(n) for c, n in (x.split("=") for x in a.runs_for.split(",") if x)}
+        results = [run_case(name, tmp, runs.get(name, a.runs), a.timeout) for name in a.cases.split(",") if name]
     text = section(results, argv)
     print(text)
     if not a.no_write:
