@@ -172,7 +172,8 @@ def section(results: list[dict], argv: list[str]) -> str:
             verdict = "; ".join(parts)
         flags = " ".join(a if " " not in a else f"'{a}'" for a in r["args"]).replace("|", "\\|")
         flags = re.sub(r"/tmp\S*/(w2w4|vl)", r"<\1 export>", flags) or "(none)"
-        lines.append(f"| {r['name']} | `{flags}` | {len(r['cold'])} | {n} | {_med(r['cold'], 'bound'):.1f} | {cold:.1f} | {warm:.1f} | "
+        lines.append(f"| {r['name']} | `{flags}` | {len(r['cold'])} | {n} | {_med(r['cold'], 'bound'):.1f} | "
+                     f"{cold:.1f} | {warm:.1f} | "
                      f"{comp_cold:.1f} / {comp_warm:.1f} | {verdict} |")
     lines += ["", "Where a cold start goes, per program (the first cold run; seconds; trace / lowering / XLA compile "
               "from JAX's compile events):", ""]

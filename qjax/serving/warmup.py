@@ -1,6 +1,6 @@
-"""What the serving engine's warm-up measures and guards, program by program (:meth:`qjax.serving.engine.Engine.warmup`):
-where a program's first call spends its time (:func:`compile_times`), and the memory mappings compiled programs hold
-(:class:`MapBudget`).
+"""What the serving engine's warm-up measures and guards, program by program
+(:meth:`qjax.serving.engine.Engine.warmup`): where a program's first call spends its time (:func:`compile_times`),
+and the memory mappings compiled programs hold (:class:`MapBudget`).
 
 XLA:CPU keeps every compiled program's machine code in memory regions of its own — about 600 to 1,500 per serving
 program on the built-in model (code, read-only and writable sections of each of its kernels; measured from
