@@ -132,6 +132,20 @@ def run_auto_round(folder: str, calib: str, settings: dict, out: str):
     return secs, [(b[1], b[2], b[3]) for b in cap.blocks]
 
 
+def heldout_scorer(folder: str, tok, seqlen: int):
+    """(the built-in model's held-out token ids, ``ppl(model)``: their perplexity in ``seqlen``-token windows)."""
+    from qjax.builtin import train as T
+
+    with open(os.path.join(folder, "heldout.txt"), encoding="utf-8") as f:
+        held = np.asarray(tok.encode(f.read()).ids, np.int32)
+
+    def ppl(m) -> float:
+        nll, _ = T.mean_nll(m, held, seqlen=seqlen, batch=8)
+        return float(np.exp(nll))
+
+    return held, ppl
+
+
 def untied(model):
     """``model`` with an lm_head of its own holding a copy of its tied embedding table: the same logits (checked by
     the caller), and a head that can be quantized while the input embedding stays in the model dtype."""
@@ -168,7 +182,6 @@ def lm_head_main(a, argv) -> int:
     """The ``--lm-head`` measurement (module docstring)."""
     import qjax
     from qjax.autoround.data import calibration_ids, load_tokenizer
-    from qjax.builtin import train as T
     from qjax.checkpoint.hub import default_model_dir
 
     methods = [m for m in a.head_methods.split(",") if m]
@@ -179,12 +192,7 @@ def lm_head_main(a, argv) -> int:
     tied = qjax.load_model(folder)
     model = untied(tied)
     tok = load_tokenizer(folder)
-    with open(os.path.join(folder, "heldout.txt"), encoding="utf-8") as f:
-        held = np.asarray(tok.encode(f.read()).ids, np.int32)
-
-    def ppl(m) -> float:
-        nll, _ = T.mean_nll(m, held, seqlen=a.seqlen, batch=8)
-        return float(np.exp(nll))
+    held, ppl = heldout_scorer(folder, tok, a.seqlen)
 
     bf16 = ppl(tied)
     if ppl(model) != bf16:
@@ -293,18 +301,12 @@ def main(argv=None) -> int:
 
     import qjax
     from qjax.autoround.data import calibration_ids, load_tokenizer
-    from qjax.builtin import train as T
     from qjax.checkpoint.hub import default_model_dir
 
     folder = default_model_dir()
     model = qjax.load_model(folder)
     tok = load_tokenizer(folder)
-    with open(os.path.join(folder, "heldout.txt"), encoding="utf-8") as f:
-        held = np.asarray(tok.encode(f.read()).ids, np.int32)
-
-    def ppl(m) -> float:
-        nll, _ = T.mean_nll(m, held, seqlen=a.seqlen, batch=8)
-        return float(np.exp(nll))
+    held, ppl = heldout_scorer(folder, tok, a.seqlen)
 
     bf16 = ppl(model)
     print(f"BF16 held-out ppl {bf16:.3f}", flush=True)

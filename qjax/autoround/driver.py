@@ -317,28 +317,7 @@ class AutoRound:
         params = {u.name: params[u.name]}
         carry = (params, opt.init(params), jnp.asarray(jnp.inf, jnp.float32), params, jnp.asarray(0, jnp.int32),
                  jnp.asarray(-1, jnp.int32))
-        bar = _bar(self.progress, cfg.iters, head.NAME)
-        losses, chunks, it = [], [], 0
-        while it < cfg.iters:
-            k = min(cfg.chunk, cfg.iters - it)
-            idx = jnp.asarray([sampler.next_batch() for _ in range(k)], jnp.int32)
-            t0 = time.perf_counter()
-            carry, chunk_losses = step(carry, idx, w, c, x_q, x_f, mask)
-            chunk_losses = np.asarray(chunk_losses)
-            chunks.append((k, time.perf_counter() - t0))
-            losses.extend(chunk_losses.tolist())
-            it += k
-            if bar is not None:
-                bar.update(k)
-                bar.set_postfix(loss=f"{chunk_losses[-1]:.3e}", best=f"{float(carry[2]):.3e}")
-        if bar is not None:
-            bar.close()
-        params, _, best, best_params, _, best_iter = carry
-        final = params if cfg.not_use_best_mse else best_params
-        per_iter = [sec / k for k, sec in chunks[1:] if k == cfg.chunk] or [chunks[0][1] / chunks[0][0]]
-        iter_s = float(np.median(per_iter))
-        return final, (float(losses[0]), float(best), int(best_iter), iter_s,
-                       max(0.0, chunks[0][1] - chunks[0][0] * iter_s))
+        return self._run_tuning(step, carry, (w, c, x_q, x_f, mask), sampler, head.NAME)
 
     def _finish_block(self, report: BlockReport, t0: float) -> None:
 
@@ -447,7 +426,15 @@ class AutoRound:
             carry, args = jax.device_put((carry, args), jax.tree.map(
                 lambda sp: NamedSharding(mesh, sp), (carry_specs, arg_specs), is_leaf=lambda x: isinstance(x, P)))
             args = (args[0], blocks.state_weights(args[0]), *args[2:])  # the placed state's buffers, not a 2nd copy
-        bar = _bar(self.progress, cfg.iters, f"block {i + 1}/{len(self.layers)}")
+        return self._run_tuning(step, carry, args, sampler, f"block {i + 1}/{len(self.layers)}")
+
+    def _run_tuning(self, step, carry, args: tuple, sampler: IndexSampler, label: str):
+        """The tuning loop of a block or the head: ``iters`` iterations in jitted chunks of ``chunk``
+        (``step(carry, idx [k, B], *args) → (carry, losses [k])``), a progress bar labelled ``label``. Returns (the
+        parameters kept — the best iteration's unless ``not_use_best_mse`` —, (first loss, best loss, best iteration,
+        seconds per steady iteration, compile seconds))."""
+        cfg = self.cfg
+        bar = _bar(self.progress, cfg.iters, label)
         losses, chunks = [], []  # chunks: (iterations, seconds) of each jitted call
         it = 0
         while it < cfg.iters:
@@ -469,7 +456,7 @@ class AutoRound:
             bar.close()
         params, _, best, best_params, _, best_iter = carry
         final = params if cfg.not_use_best_mse else best_params
-        if mesh is not None:  # back to the default device, where the end of the block runs
+        if self.mesh is not None:  # back to the default device, where the end of the block runs
             final = jax.device_put(final, jax.devices()[0])
         per_iter = [sec / k for k, sec in chunks[1:] if k == cfg.chunk] or [chunks[0][1] / chunks[0][0]]
         iter_s = float(np.median(per_iter))
