@@ -5,7 +5,8 @@ a Pallas (Triton) kernel with the same signature:
 - :func:`qmatmul`: dense ``x @ dequant(W)ᵀ``;
 - :func:`matmul`: ``x @ Wᵀ`` for an unquantized weight, read in place inside a layer stack;
 - :func:`moe_experts`: routed SwiGLU experts with packed (or dense) ``[E, …]`` weights and the routing-weight
-  combine;
+  combine; :func:`moe_routed`: the routing (:func:`route`) and the experts in one call (one decode token is routed
+  inside the Pallas kernels);
 - :func:`gated_delta_step`: one decode token of the Gated DeltaNet recurrence;
 - :func:`gated_delta_decode`: one decode token of a Gated DeltaNet layer from its input projections (conv
   step, SiLU, decay, β and the recurrence; the conv window and state updated in their stacks).
@@ -15,12 +16,12 @@ float64 inputs, which only the references take) and the shared SiLU.
 """
 
 from .dispatch import IMPLS, resolve, use
-from .moe_reference import routed_experts
-from .ops import gated_delta_decode, gated_delta_step, matmul, moe_experts, qmatmul
+from .moe_reference import route, routed_experts
+from .ops import gated_delta_decode, gated_delta_step, matmul, moe_experts, moe_routed, qmatmul
 from .precision import accum_dtype, dot_precision, sigmoid, silu
 from .qmatmul_reference import dequantize, dequantize_experts, matmul_accumulated, unpack_int
 from .quant_meta import QuantMeta, dense_meta
 
-__all__ = ["IMPLS", "QuantMeta", "accum_dtype", "dense_meta", "dequantize", "dequantize_experts", "dot_precision", "matmul_accumulated",
-           "gated_delta_decode", "gated_delta_step", "matmul", "moe_experts", "qmatmul", "resolve", "routed_experts",
-           "sigmoid", "silu", "unpack_int", "use"]
+__all__ = ["IMPLS", "QuantMeta", "accum_dtype", "dense_meta", "dequantize", "dequantize_experts", "dot_precision",
+           "gated_delta_decode", "gated_delta_step", "matmul", "matmul_accumulated", "moe_experts", "moe_routed",
+           "qmatmul", "resolve", "route", "routed_experts", "sigmoid", "silu", "unpack_int", "use"]

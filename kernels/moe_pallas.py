@@ -56,7 +56,8 @@ from jax.experimental.pallas import triton as plgpu
 from . import moe_reference
 from .quant_meta import QuantMeta, dense_meta
 
-__all__ = ["MoEConfig", "lowering_cases", "moe_config", "moe_experts_pallas"]
+__all__ = ["MoEConfig", "lowering_cases", "moe_config", "moe_experts_pallas", "moe_routed_pallas",
+           "routes_inside"]
 
 _E8M0_ZERO_BITS = 0x00400000  # fp32 bits of 2^-127 (subnormal): E8M0 code 0
 
@@ -229,6 +230,47 @@ def _dot_nt(a, w):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _pick_slot(logits_ref, offset_ref, b, top_k: int, dtype=None):
+    """Slot ``b``'s expert (+ the layer's offset in a stack) and, given ``dtype``, its routing weight in fp32, from
+    one token's router logits ``logits_ref [1, E]`` — :func:`.moe_reference.route` computed inside the kernel.
+
+    Every program recomputes the softmax over the E logits and the top-k (k argmax rounds over E values: a few
+    hundred flops) instead of reading them from XLA's softmax / sort / select kernels: at batch-1 decode, which is
+    launch-bound, that removes three launches per MoE layer. As the reference: softmax in fp32 (``exp(l − max) /
+    Σ``), the k largest probabilities, ties to the lower expert id (``lax.top_k``), the weight renormalised over
+    the k and rounded to ``dtype`` (the logits' dtype).
+    """
+    num_experts = logits_ref.shape[1]
+    ep = _next_pow2(num_experts)
+    cols = lax.iota(jnp.int32, ep)
+    inside = cols < num_experts
+    logits = plgpu.load(logits_ref.at[0, cols], mask=None if ep == num_experts else inside,
+                        other=None if ep == num_experts else 0).astype(jnp.float32)
+    logits = jnp.where(inside, logits, -jnp.inf)
+    u = jnp.exp(logits - jnp.max(logits))
+    left = jnp.where(inside, u / jnp.sum(u), -1.0)  # probabilities ≥ 0: −1 marks a taken or absent expert
+    total = jnp.zeros((), jnp.float32)
+    expert = jnp.zeros((), jnp.int32)
+    prob = jnp.zeros((), jnp.float32)
+    for j in range(top_k):  # static: k rounds of argmax (lowest id among equals)
+        best = jnp.max(left)
+        pick = jnp.min(jnp.where(left == best, cols, ep))
+        total = total + best
+        expert = jnp.where(b == j, pick, expert)
+        prob = jnp.where(b == j, best, prob)
+        left = jnp.where(cols == pick, -1.0, left)
+    expert = expert + offset_ref[0]
+    if dtype is None:
+        return expert, None
+    return expert, (prob / total).astype(dtype).astype(jnp.float32)
+
+
+def _per_slot_rows(b, bm: int, num_slots: int):
+    """The token-slot of each row of block ``b`` in the per-slot layout (:func:`_align`): row 0 is slot b, the other
+    rows padding (``num_slots``)."""
+    return jnp.where(lax.iota(jnp.int32, bm) == 0, b, num_slots)
+
+
 def _weight_refs(refs, has_zero: bool, dense: bool):
     """``(packed, scale, zero)`` refs from the tail of a kernel's weight refs (a dense weight has neither scale nor
     zero)."""
@@ -237,8 +279,9 @@ def _weight_refs(refs, has_zero: bool, dense: bool):
     return refs[0], refs[1], refs[2] if has_zero else None
 
 
-def _gate_up_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig, inter: int, top_k: int):
-    blk_expert_ref, row_slot_ref, x_ref, *weight_refs, act_ref = refs
+def _gate_up_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig, inter: int, top_k: int,
+                    routed: bool = False):
+    route_ref, row_ref, x_ref, *weight_refs, act_ref = refs
     packed_ref, scale_ref, zero_ref = _weight_refs(weight_refs, has_zero, meta.fmt == "dense")
     num_slots = x_ref.shape[0] * top_k
     bm, bn, bk = cfg.bm, cfg.gu_bn, cfg.gu_bk
@@ -246,12 +289,12 @@ def _gate_up_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig, inte
     dtype = x_ref.dtype
     b = pl.program_id(0)
     j = pl.program_id(1)
-    e = blk_expert_ref[b]
+    e = _pick_slot(route_ref, row_ref, b, top_k)[0] if routed else route_ref[b]
 
     @pl.when(e >= 0)
     def _():
         rows = b * bm + lax.iota(jnp.int32, bm)
-        slot = plgpu.load(row_slot_ref.at[rows])  # [bm]; num_slots on padding rows
+        slot = _per_slot_rows(b, bm, num_slots) if routed else plgpu.load(row_ref.at[rows])  # num_slots: padding
         valid = (slot < num_slots)[:, None]
         tok = lax.div(slot, jnp.int32(top_k))
         ncols = j * bn + lax.iota(jnp.int32, bn)
@@ -276,16 +319,19 @@ def _gate_up_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig, inte
         plgpu.store(act_ref.at[rows[:, None], ncols[None, :]], act, mask=smask)
 
 
-def _down_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig):
-    blk_expert_ref, row_slot_ref, weights_ref, act_ref, *weight_refs, y_ref = refs
+def _down_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig, top_k: int, routed: bool = False):
+    route_ref, row_ref, weights_ref, act_ref, *weight_refs, y_ref = refs
     packed_ref, scale_ref, zero_ref = _weight_refs(weight_refs, has_zero, meta.fmt == "dense")
-    num_slots = weights_ref.shape[0]
+    num_slots = top_k if routed else weights_ref.shape[0]
     bm, bn, bk = cfg.bm, cfg.dn_bn, cfg.dn_bk
     inter = act_ref.shape[1]
     hidden = y_ref.shape[1]
     b = pl.program_id(0)
     j = pl.program_id(1)
-    e = blk_expert_ref[b]
+    if routed:  # weights_ref: the router logits' dtype (the reference rounds the weights to it), never read
+        e, slot_weight = _pick_slot(route_ref, row_ref, b, top_k, weights_ref.dtype)
+    else:
+        e = route_ref[b]
 
     @pl.when(e >= 0)
     def _():
@@ -304,8 +350,11 @@ def _down_kernel(*refs, meta: QuantMeta, has_zero: bool, cfg: MoEConfig):
             return acc + _dot_nt(a, w)
 
         acc = lax.fori_loop(0, pl.cdiv(inter, bk), body, jnp.zeros((bm, bn), jnp.float32))
-        slot = plgpu.load(row_slot_ref.at[rows])
-        rw = plgpu.load(weights_ref.at[slot], mask=slot < num_slots, other=0).astype(jnp.float32)  # 0 on padding
+        if routed:
+            rw = jnp.where(lax.iota(jnp.int32, bm) == 0, slot_weight, 0.0)  # row 0 holds the slot; 0 on padding
+        else:
+            slot = plgpu.load(row_ref.at[rows])
+            rw = plgpu.load(weights_ref.at[slot], mask=slot < num_slots, other=0).astype(jnp.float32)
         smask = None if hmask is None else jnp.broadcast_to(hmask[None, :], (bm, bn))
         plgpu.store(y_ref.at[rows[:, None], hcols[None, :]], acc * rw[:, None], mask=smask)
 
@@ -425,6 +474,35 @@ def _check(x, idx, weights, gate_up, down):
             raise ValueError(f"{name}: scale / zero must be [E, N or 1, G]")
 
 
+def _kernels(cfg: MoEConfig, gu_meta: QuantMeta, dn_meta: QuantMeta, interpret: bool, top_k: int, nb: int,
+             routing: tuple, weights, x, gu_arrays, dn_arrays, *, routed: bool):
+    """The gate_up and down calls over ``nb`` M-blocks → ``y [nb·bm, H]`` fp32 (weighted rows). ``routing``:
+    ``(blk_expert, row_slot)`` of an alignment, or (``routed``) ``(logits [1, E], offset [1])`` of one token."""
+    inter = gu_meta.out_features // 2
+    hidden = x.shape[1]
+    rows = nb * cfg.bm
+    gu_in = tuple(a for a in gu_arrays if a is not None)
+    dn_in = tuple(a for a in dn_arrays if a is not None)
+    act = pl.pallas_call(
+        functools.partial(_gate_up_kernel, meta=gu_meta, has_zero=gu_arrays[2] is not None, cfg=cfg, inter=inter,
+                          top_k=top_k, routed=routed),
+        out_shape=jax.ShapeDtypeStruct((rows, inter), x.dtype),
+        grid=(nb, pl.cdiv(inter, cfg.gu_bn)),
+        compiler_params=_compiler_params(cfg),
+        interpret=interpret,
+        name="qjax_moe_gate_up",
+    )(*routing, x, *gu_in)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, meta=dn_meta, has_zero=dn_arrays[2] is not None, cfg=cfg, top_k=top_k,
+                          routed=routed),
+        out_shape=jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
+        grid=(nb, pl.cdiv(hidden, cfg.dn_bn)),
+        compiler_params=_compiler_params(cfg),
+        interpret=interpret,
+        name="qjax_moe_down",
+    )(*routing, weights, act, *dn_in)
+
+
 def _forward(gu_meta: QuantMeta, dn_meta: QuantMeta, interpret: bool, config: MoEConfig | None, num_experts: int,
              x, idx, weights, offset, gu_arrays, dn_arrays):
     n, hidden = x.shape
@@ -437,30 +515,24 @@ def _forward(gu_meta: QuantMeta, dn_meta: QuantMeta, interpret: bool, config: Mo
     blk_expert = jnp.where(blk_expert >= 0, blk_expert + offset, -1)
     nb = blk_expert.shape[0]
     rows = nb * cfg.bm
-    gu_in = tuple(a for a in gu_arrays if a is not None)
-    dn_in = tuple(a for a in dn_arrays if a is not None)
-
-    act = pl.pallas_call(
-        functools.partial(_gate_up_kernel, meta=gu_meta, has_zero=gu_arrays[2] is not None, cfg=cfg, inter=inter,
-                          top_k=k),
-        out_shape=jax.ShapeDtypeStruct((rows, inter), x.dtype),
-        grid=(nb, pl.cdiv(inter, cfg.gu_bn)),
-        compiler_params=_compiler_params(cfg),
-        interpret=interpret,
-        name="qjax_moe_gate_up",
-    )(blk_expert, row_slot, x, *gu_in)
-    y = pl.pallas_call(
-        functools.partial(_down_kernel, meta=dn_meta, has_zero=dn_arrays[2] is not None, cfg=cfg),
-        out_shape=jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
-        grid=(nb, pl.cdiv(hidden, cfg.dn_bn)),
-        compiler_params=_compiler_params(cfg),
-        interpret=interpret,
-        name="qjax_moe_down",
-    )(blk_expert, row_slot, weights.reshape(-1), act, *dn_in)
+    y = _kernels(cfg, gu_meta, dn_meta, interpret, k, nb, (blk_expert, row_slot), weights.reshape(-1), x,
+                 gu_arrays, dn_arrays, routed=False)
     # [N, k, H] → [N, H]; weights already applied in the down epilogue. Dropped slots point past the rows (unused
     # blocks are never written, so they are masked with where, not multiplied)
     kept = slot_row < rows
     return jnp.where(kept[..., None], y[jnp.minimum(slot_row, rows - 1)], 0.0).sum(axis=1)
+
+
+def _forward_routed(gu_meta: QuantMeta, dn_meta: QuantMeta, interpret: bool, config: MoEConfig | None, top_k: int,
+                    x, logits, offset, gu_arrays, dn_arrays):
+    """One token routed inside the kernels (per-slot layout: block j = slot j, row 0 of each block)."""
+    num_experts = logits.shape[1]
+    inter = gu_meta.out_features // 2
+    cfg = config or moe_config(top_k, num_experts, x.shape[1], inter, gu_meta, dn_meta)
+    # the logits ride in the weights' place too: the down kernel rounds the slot weights to their dtype
+    y = _kernels(cfg, gu_meta, dn_meta, interpret, top_k, top_k, (logits, offset.reshape(1)),
+                 logits.reshape(-1), x, gu_arrays, dn_arrays, routed=True)
+    return y.reshape(top_k, cfg.bm, -1)[:, 0].sum(axis=0, keepdims=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
@@ -496,6 +568,59 @@ def _moe_bwd(gu_meta, dn_meta, interpret, config, num_experts, res, g):
 
 
 _moe.defvjp(_moe_fwd, _moe_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _moe_routed(gu_meta, dn_meta, interpret, config, top_k, x, logits, offset, gu_arrays, dn_arrays):
+    return _forward_routed(gu_meta, dn_meta, interpret, config, top_k, x, logits, offset, gu_arrays, dn_arrays)
+
+
+def _moe_routed_fwd(gu_meta, dn_meta, interpret, config, top_k, x, logits, offset, gu_arrays, dn_arrays):
+    out = _forward_routed(gu_meta, dn_meta, interpret, config, top_k, x, logits, offset, gu_arrays, dn_arrays)
+    return out, (x, logits, offset, gu_arrays, dn_arrays)
+
+
+def _moe_routed_bwd(gu_meta, dn_meta, interpret, config, top_k, res, g):
+    """Through the reference routing and :func:`_moe_bwd` (the experts' backward)."""
+    x, logits, offset, gu_arrays, dn_arrays = res
+    num_experts = logits.shape[1]
+    weights, idx = moe_reference.route(logits, top_k)
+    dx, _, dw, _, gu_ct, dn_ct = _moe_bwd(gu_meta, dn_meta, interpret, config, num_experts,
+                                         (x, idx, weights, offset, gu_arrays, dn_arrays), g)
+    _, route_vjp = jax.vjp(lambda lg: moe_reference.route(lg, top_k)[0], logits)
+    return dx, route_vjp(dw)[0], None, gu_ct, dn_ct
+
+
+_moe_routed.defvjp(_moe_routed_fwd, _moe_routed_bwd)
+
+
+def routes_inside(num_tokens: int) -> bool:
+    """Whether :func:`moe_routed_pallas` routes inside the kernels for ``num_tokens`` tokens (one: batch-1 decode, the
+    per-slot layout); otherwise it routes with :func:`.moe_reference.route` and calls :func:`moe_experts_pallas`."""
+    return num_tokens == 1
+
+
+def moe_routed_pallas(x, router_logits, top_k: int, gate_up: tuple, down: tuple, *, interpret: bool = False,
+                      config: MoEConfig | None = None, expert_offset=None) -> jax.Array:
+    """Routing (:func:`.moe_reference.route`: softmax, top-k, renormalised) and the routed experts → ``[N, H]`` fp32.
+
+    ``router_logits [N, E]`` (E: this layer's experts; with ``expert_offset`` the weights hold several layers'
+    experts flattened, as :func:`moe_experts_pallas`). One token (batch-1 decode, :func:`routes_inside`): each
+    kernel program routes from the logits itself — no softmax / top-k kernels between the router and the experts.
+    More tokens: the reference routing, then :func:`moe_experts_pallas`. Differentiable as
+    :func:`moe_experts_pallas`, plus the logits (through the reference routing).
+    """
+    num_experts = router_logits.shape[1]
+    offset = jnp.zeros((), jnp.int32) if expert_offset is None else jnp.asarray(expert_offset, jnp.int32)
+    if not routes_inside(x.shape[0]):
+        weights, idx = moe_reference.route(router_logits, top_k)
+        return moe_experts_pallas(x, idx, weights, gate_up, down, interpret=interpret, config=config,
+                                  num_experts=num_experts, expert_offset=expert_offset)
+    if router_logits.shape[0] != x.shape[0] or not 0 < top_k <= num_experts:
+        raise ValueError(f"router logits {router_logits.shape} / top_k {top_k} do not fit x {x.shape}")
+    _check(x, jnp.zeros((1, top_k), jnp.int32), jnp.zeros((1, top_k), x.dtype), gate_up, down)
+    return _moe_routed(gate_up[3], down[3], bool(interpret), config, int(top_k), x, router_logits, offset,
+                       tuple(gate_up[:3]), tuple(down[:3]))
 
 
 def moe_experts_pallas(x, idx, weights, gate_up: tuple, down: tuple, *, interpret: bool = False,
@@ -567,7 +692,8 @@ def _weight_specs(meta: QuantMeta, num_experts: int) -> tuple[jax.ShapeDtypeStru
 
 def lowering_cases() -> list[tuple[str, Callable, tuple[jax.ShapeDtypeStruct, ...]]]:
     """``(name, fn, arg_specs)`` for the Qwen3.6-35B-A3B MoE layer (H 2048, I 512, E 256, top-8, bf16) ×
-    {int2 g64, int4 g128 asym, int8 g32, mxfp8, unquantized bf16} × {decode N = 1, 8; prefill N = 512}.
+    {int2 g64, int4 g128 asym, int8 g32, mxfp8, unquantized bf16} × {decode N = 1, 8; prefill N = 512; one token
+    routed inside the kernels from its router logits (``*_routed_decode1``, ``fn(x, logits, *arrays)``)}.
 
     ``fn(x, idx, weights, *gate_up_arrays, *down_arrays)`` calls :func:`moe_experts_pallas` (``interpret=False``)
     with the metas closed over; ``gate_up_arrays`` is ``(packed, scale[, zero])``.
@@ -593,4 +719,12 @@ def lowering_cases() -> list[tuple[str, Callable, tuple[jax.ShapeDtypeStruct, ..
             specs = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int32),
                      jax.ShapeDtypeStruct((n, k), jnp.bfloat16), *gu_specs, *dn_specs)
             cases.append((f"moe_{scheme}_{label}", fn, specs))
+
+        def routed(x, logits, *arrays, _gm=gu_meta, _dm=dn_meta, _ng=n_gu):
+            gu, dn = (*arrays[:_ng], None, None)[:3], (*arrays[_ng:], None, None)[:3]
+            return moe_routed_pallas(x, logits, k, (*gu, _gm), (*dn, _dm), interpret=False)
+
+        cases.append((f"moe_{scheme}_routed_decode1", routed,
+                      (jax.ShapeDtypeStruct((1, h), jnp.bfloat16), jax.ShapeDtypeStruct((1, e), jnp.bfloat16),
+                       *gu_specs, *dn_specs)))
     return cases

@@ -21,6 +21,21 @@ from .qmatmul_reference import dequantize_experts
 from .quant_meta import QuantMeta
 
 
+def route(router_logits: jnp.ndarray, top_k: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Softmax over all experts in fp32 (float64 logits: float64), top-k, renormalise (Qwen3.5-MoE has no
+    ``norm_topk_prob`` flag: always on).
+
+    Args:
+      router_logits: ``[N, E]`` in the model dtype.
+    Returns:
+      weights ``[N, k]`` in the model dtype, expert indices ``[N, k]`` int32.
+    """
+    probs = jax.nn.softmax(router_logits.astype(accum_dtype(router_logits.dtype)), axis=-1)
+    w, idx = jax.lax.top_k(probs, top_k)
+    w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w.astype(router_logits.dtype), idx.astype(jnp.int32)
+
+
 def _dot_out_in(x: jnp.ndarray, w: jnp.ndarray, spec: str) -> jnp.ndarray:
     return jnp.einsum(spec, x, w.astype(x.dtype), precision=dot_precision(x.dtype),
                       preferred_element_type=accum_dtype(x.dtype))

@@ -52,6 +52,17 @@ def qmatmul(x: jnp.ndarray, packed, scale, zero, meta: QuantMeta, *, impl: str |
     return qmatmul_pallas.qmatmul_pallas(x, packed, scale, zero, meta, interpret=which == "interpret", layer=layer)
 
 
+def _experts_of_layer(gate_up: tuple, down: tuple, layer):
+    """``(gate_up, down, num_experts, offset)``: with ``layer``, the ``[L, E, …]`` stacks flattened to ``[L·E, …]``
+    (a bitcast) and layer ``layer``'s E experts starting at ``offset``; without, as given (None, None)."""
+    if layer is None:
+        return gate_up, down, None, None
+    stack, num_experts = gate_up[0].shape[:2]
+    flat = lambda a: None if a is None else a.reshape(stack * num_experts, *a.shape[2:])  # noqa: E731
+    return ((*map(flat, gate_up[:3]), gate_up[3]), (*map(flat, down[:3]), down[3]), num_experts,
+            jnp.asarray(layer, jnp.int32) * num_experts)
+
+
 def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | None = None,
                 layer=None) -> jnp.ndarray:
     """Routed SwiGLU experts with packed ``[E, …]`` weights → ``[N, H]`` in the accumulation dtype (float32; float64
@@ -62,13 +73,7 @@ def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | Non
     the stack: slicing it out first would copy all E experts of the layer on every call.
     """
     which = resolve(impl, x.dtype)
-    num_experts = offset = None
-    if layer is not None:
-        stack, num_experts = gate_up[0].shape[:2]
-        flat = lambda a: None if a is None else a.reshape(stack * num_experts, *a.shape[2:])  # noqa: E731 (a bitcast)
-        gate_up = (*map(flat, gate_up[:3]), gate_up[3])
-        down = (*map(flat, down[:3]), down[3])
-        offset = jnp.asarray(layer, jnp.int32) * num_experts
+    gate_up, down, num_experts, offset = _experts_of_layer(gate_up, down, layer)
     if which == "reference":
         return moe_reference.moe_experts(x, idx, weights, gate_up, down, num_experts=num_experts, offset=offset)
     if which == "xla":
@@ -77,6 +82,23 @@ def moe_experts(x, idx, weights, gate_up: tuple, down: tuple, *, impl: str | Non
 
     return moe_pallas.moe_experts_pallas(x, idx, weights, gate_up, down, interpret=which == "interpret",
                               num_experts=num_experts, expert_offset=offset)
+
+
+def moe_routed(x, router_logits, top_k: int, gate_up: tuple, down: tuple, *, impl: str | None = None,
+               layer=None) -> jnp.ndarray:
+    """Routing (:func:`.moe_reference.route`) then :func:`moe_experts` → ``[N, H]`` in the accumulation dtype.
+
+    ``router_logits [N, E]``; ``gate_up``, ``down``, ``layer`` as :func:`moe_experts`. With the Pallas kernels and
+    one token (batch-1 decode) the kernels route from the logits themselves (:func:`.moe_pallas.moe_routed_pallas`):
+    no softmax / top-k kernels between the router and the experts.
+    """
+    which = resolve(impl, x.dtype)
+    if which in ("pallas", "interpret") and moe_pallas.routes_inside(x.shape[0]):
+        gate_up, down, _, offset = _experts_of_layer(gate_up, down, layer)
+        return moe_pallas.moe_routed_pallas(x, router_logits, top_k, gate_up, down, interpret=which == "interpret",
+                                            expert_offset=offset)
+    weights, idx = moe_reference.route(router_logits, top_k)
+    return moe_experts(x, idx, weights, gate_up, down, impl=which, layer=layer)
 
 
 def gated_delta_step(q, k, v, g, beta, state, *, impl: str | None = None, layer=None):

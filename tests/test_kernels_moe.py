@@ -432,15 +432,17 @@ _LOWERING = {name: (fn, specs) for name, fn, specs in lowering_cases()}
 
 def test_lowering_cases_cover_the_matrix():
     names = set(_LOWERING)
-    assert len(names) == 15
+    assert len(names) == 20
     for scheme in ("int2_g64", "int4_g128", "int8_g32", "mxfp8", "bf16"):
-        for label in ("decode1", "decode8", "prefill512"):
+        for label in ("decode1", "decode8", "prefill512", "routed_decode1"):
             assert f"moe_{scheme}_{label}" in names
     _, specs = _LOWERING["moe_int2_g64_prefill512"]
     assert specs[0].shape == (512, 2048) and specs[1].shape == (512, 8)
     assert specs[3].shape == (256, 1024, 128) and specs[5].shape == (256, 2048, 32)  # int2: 16 values per word
     _, specs = _LOWERING["moe_bf16_decode1"]
     assert [a.shape for a in specs[3:]] == [(256, 1024, 2048), (256, 2048, 512)] and specs[3].dtype == jnp.bfloat16
+    _, specs = _LOWERING["moe_int2_g64_routed_decode1"]
+    assert specs[1].shape == (1, 256) and specs[2].shape == (256, 1024, 128)  # router logits, then the weights
 
 
 @pytest.mark.parametrize("name", list(_LOWERING))
@@ -537,6 +539,69 @@ def test_expert_group_in_stack(impl, n):
         want = entry(x, idx, w, (*layers[g][3], gm), (*layers[g][4], dm), impl="reference")
         got = jax.jit(lambda g_: entry(x, idx, w, (*stack[0], gm), (*stack[1], dm), impl=impl, layer=g_))(g)
         assert _rel_err(got, want) <= (1e-6 if impl != "interpret" else F32_TOL), (impl, g)
+
+
+def _routed_data(case: Case, dtype, *, seed: int, ties: bool = False, layers: int = 1):
+    """One token's x, router logits ``[1, E]`` (``ties``: logits repeated, so probabilities tie inside and at the
+    edge of the top-k) and ``layers`` layers' expert stacks (``[G, E, …]`` when layers > 1)."""
+    rng = np.random.default_rng(seed)
+    gm, dm = case.metas()
+    per = [(_weights(gm, case.experts, rng), _weights(dm, case.experts, rng)) for _ in range(layers)]
+    x = jnp.asarray(rng.standard_normal((1, case.hidden)), dtype)
+    logits = rng.standard_normal((1, case.experts)) * 2
+    if ties:  # experts 2i and 2i + 1 tie: with an odd k one pair straddles the top-k's edge
+        logits = np.repeat(logits[:, : -(-case.experts // 2)], 2, axis=1)[:, : case.experts]
+    gu, dn = per[0] if layers == 1 else (
+        tuple(None if a[0] is None else jnp.stack(a) for a in zip(*(p[j] for p in per))) for j in (0, 1))
+    return x, jnp.asarray(logits, dtype), gu, dn, per
+
+
+@pytest.mark.parametrize("name, dtype, ties", [("odd_int4_asym_g32_g8", jnp.float32, False),
+                                               ("odd_int4_asym_g32_g8", jnp.bfloat16, True),
+                                               ("odd_mxfp8", jnp.bfloat16, False)])
+def test_routed_one_token_matches_reference(name, dtype, ties):
+    """One decode token routed inside the kernels (softmax, top-k with ties to the lower id, renormalised weights
+    rounded to the logits' dtype, recomputed by every program) equals the reference routing + experts: E and k off
+    powers of two, bf16 logits with tied probabilities; one compile for both sides."""
+    from qjax.kernels import moe_routed
+
+    case = CASES[name]
+    gm, dm = case.metas()
+    x, logits, gu, dn, _ = _routed_data(case, dtype, seed=31, ties=ties)
+    got, want = jax.jit(lambda x, lg: tuple(moe_routed(x, lg, case.top_k, (*gu, gm), (*dn, dm), impl=i)
+                                            for i in ("interpret", "reference")))(x, logits)
+    assert got.shape == (1, case.hidden) and got.dtype == jnp.float32
+    assert _rel_err(got, want) <= (F32_TOL if dtype == jnp.float32 else BF16_TOL)
+
+
+def test_routed_one_token_in_stack_and_grads():
+    """In a ``[G, E, …]`` stack (``layer=g``: the experts offset inside the kernels) the routed call equals the
+    reference on the sliced layer, with the per-slot grids of one layer; its gradients (x, logits) are the
+    reference's (the backward runs through the reference routing)."""
+    from qjax.kernels import moe_routed
+
+    case = CASES["odd_int4_asym_g32_g8"]
+    gm, dm = case.metas()
+    x, logits, gu, dn, per = _routed_data(case, jnp.float32, seed=32, layers=3)
+
+    def loss(impl, g):
+        return lambda x, lg: jnp.sum(jnp.sin(moe_routed(x, lg, case.top_k, (*gu, gm), (*dn, dm), impl=impl,
+                                                        layer=g)))
+
+    for g in (0, 2):
+        want = moe_routed(x, logits, case.top_k, (*per[g][0], gm), (*per[g][1], dm), impl="reference")
+        got = jax.jit(lambda x, lg, g_: moe_routed(x, lg, case.top_k, (*gu, gm), (*dn, dm), impl="interpret",
+                                                   layer=g_))(x, logits, g)
+        assert _rel_err(got, want) <= F32_TOL, g
+    grads = jax.jit(lambda x, lg: (jax.grad(loss("interpret", 1), (0, 1))(x, lg),
+                                   jax.grad(loss("reference", 1), (0, 1))(x, lg)))(x, logits)
+    for got, want in zip(*grads):
+        assert _rel_err(got, want) <= F32_TOL
+    grids = pallas_grids(lambda x, lg, g: moe_routed(x, lg, case.top_k, (*gu, gm), (*dn, dm), impl="interpret",
+                                                      layer=g), x, logits, jnp.int32(1))
+    cfg = moe_config(case.top_k, case.experts, case.hidden, case.inter, gm, dm)
+    assert [g for _, g in grids] == [(case.top_k, -(-case.inter // cfg.gu_bn)),
+                                     (case.top_k, -(-case.hidden // cfg.dn_bn))]
 
 
 @pytest.mark.parametrize("n", [1, 8])

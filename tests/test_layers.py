@@ -22,7 +22,7 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5Moe
 
 from qjax.model.config import TextConfig
 from qjax.model.layers import GatedRMSNorm, Linear, RMSNorm
-from qjax.model.moe import route
+from qjax.kernels import route
 from qjax.model.rope import apply_rope, rope_cos_sin
 from qjax.quant.packing import pack_int32
 

@@ -1,4 +1,5 @@
-"""Sparse MoE: softmax-then-top-k routing with unconditional renormalisation, SwiGLU experts stacked ``[E, …]``.
+"""Sparse MoE: softmax-then-top-k routing with unconditional renormalisation (:func:`qjax.kernels.route`), SwiGLU
+experts stacked ``[E, …]``.
 
 The routed-expert computation itself lives in :mod:`qjax.kernels` (plain-JAX reference and Pallas kernels), for
 unquantized experts as for packed ones.
@@ -12,26 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.kernels import QuantMeta, accum_dtype, moe_experts, sigmoid
+from qjax.kernels import QuantMeta, moe_experts, moe_routed, route, sigmoid
 from qjax.model.layers import MLP, Linear, init_normal
 from qjax.model.linears import linear
 from qjax.model.quant_layers import PackedWeight, expert_operand
 from qjax.model.sharding import expert_parallel
-
-
-def route(router_logits: jnp.ndarray, top_k: int) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Softmax over all experts in fp32 (float64 model: float64), top-k, renormalise (no ``norm_topk_prob`` flag:
-    always on).
-
-    Args:
-      router_logits: ``[N, E]`` in the model dtype.
-    Returns:
-      weights ``[N, k]`` in the model dtype, expert indices ``[N, k]`` int32.
-    """
-    probs = jax.nn.softmax(router_logits.astype(accum_dtype(router_logits.dtype)), axis=-1)
-    w, idx = jax.lax.top_k(probs, top_k)
-    w = w / jnp.sum(w, axis=-1, keepdims=True)
-    return w.astype(router_logits.dtype), idx.astype(jnp.int32)
 
 
 class Experts(nnx.Module):
@@ -57,6 +43,12 @@ class Experts(nnx.Module):
         return moe_experts(x, idx, weights, expert_operand(self.gate_up_proj), expert_operand(self.down_proj),
                            layer=layer)
 
+    def routed(self, x: jnp.ndarray, router_logits: jnp.ndarray, top_k: int, layer=None) -> jnp.ndarray:
+        """:func:`qjax.kernels.route` then the experts, in one kernel call (:func:`qjax.kernels.moe_routed`: at one
+        decode token the kernels route from the logits themselves)."""
+        return moe_routed(x, router_logits, top_k, expert_operand(self.gate_up_proj),
+                          expert_operand(self.down_proj), layer=layer)
+
 
 class SparseMoeBlock(nnx.Module):
     """Router → routed experts, plus a sigmoid-gated shared expert on every token (docs/model.md §2.6)."""
@@ -78,13 +70,13 @@ class SparseMoeBlock(nnx.Module):
         b, t, h = x.shape
         xf = x.reshape(b * t, h)
         with jax.named_scope("router"):
-            weights, idx = route(self.gate(xf, layer), self.top_k)
+            logits = self.gate(xf, layer)
         with jax.named_scope("experts"):
             if self.mesh_plan is not None:
-
+                weights, idx = route(logits, self.top_k)
                 routed = expert_parallel(self.experts, xf, idx, weights, self.mesh_plan)
             else:
-                routed = self.experts(xf, idx, weights) if layer is None else self.experts(xf, idx, weights, layer)
+                routed = self.experts.routed(xf, logits, self.top_k, layer)
         with jax.named_scope("shared_expert"):
             shared = sigmoid(self.shared_expert_gate(xf, layer)) * self.shared_expert(xf, layer)
         return (routed.astype(x.dtype) + shared).reshape(b, t, h)
