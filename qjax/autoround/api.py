@@ -16,18 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import qjax
 from qjax import xla_env
 from qjax.checkpoint.hub import default_model_dir
 from qjax.checkpoint.view import Checkpoint
-from qjax.convert.autoround_writer import save_autoround
-from qjax.convert.hf_writer import preflight, save_pretrained
+from qjax.convert.hf_writer import preflight
 from qjax.program_cache import ProgramCache, program_cache, use_compile_cache
 from qjax.quant.unquantized import kept_part
 
 from . import progress as prog
 from .data import calibration_ids, load_tokenizer, read_documents
 from .driver import AutoRound, AutoRoundConfig, report_json
+from .export import save_streamed
+from .plan import plan_memory
+from .stream import FolderBlocks
 from .schemes import check_layer_config, ignore_layers_config, layer_scheme, parse_layer_config, preset
 
 logger = logging.getLogger("qjax.autoround")
@@ -77,10 +78,15 @@ def format_dirs(output_dir: str, fmt) -> dict[str, str]:
 
 def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, dataset: str, fmt: str = "llm_compressor",
                     dtype=None, overwrite: bool = False, resume: bool = False, progress: bool = True,
-                    on_block=None, programs: ProgramCache | None = None) -> str:
+                    on_block=None, programs: ProgramCache | None = None, device_memory: int | None = None,
+                    on_plan=None) -> str:
     """Quantize the checkpoint in ``model_dir`` with AutoRound and write it to ``output_dir``.
 
-    AutoRound tunes the decoder layers. The MTP head (``mtp.*``) and the vision tower (``model.visual.*``) are left
+    AutoRound tunes the decoder layers, read from ``model_dir`` one block at a time (:mod:`qjax.autoround.stream`):
+    each finished block goes to the progress folder and is freed, and the export is assembled from there shard by
+    shard (:mod:`qjax.autoround.export`), so neither the model nor the quantized model is ever held whole. The
+    memory plan (:mod:`qjax.autoround.plan`) is logged before any work, and a run that cannot fit is refused. The MTP
+    head (``mtp.*``) and the vision tower (``model.visual.*``) are left
     as the seeds leave them (:mod:`qjax.quant.unquantized`): copied into the export as ``model_dir`` stores them and
     listed as unquantized; a ``layer_config`` pattern that would quantize them is refused. A composite source stays
     composite.
@@ -94,6 +100,9 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
       dtype: the dtype the blocks run in (default: the checkpoint's; auto-round runs in bf16).
       resume: continue a killed run from its last finished block (same options and data).
       programs: where the tuning programs are kept traced between runs (:func:`program_cache`).
+      device_memory: the device memory the run may use, in bytes (default: the device's own; on CPU the host's
+        available memory); decides where the calibration streams live.
+      on_plan: called with the :class:`~qjax.autoround.plan.MemoryPlan` before any work.
     Returns:
       ``output_dir``.
     """
@@ -107,42 +116,47 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
         raise ValueError("--format auto_round: qjax writes INT schemes in the auto_round (GPTQ) layout; use "
                          "--format llm_compressor for MXFP8")
     read_documents(dataset)  # a broken calibration file is reported now, not after loading the model
+    out_bytes = _output_bytes(model_dir, cfg)
     if not resume:
         # the output + the progress blocks, at the end
-        preflight(output_dir, (len(dirs) + 1) * _output_bytes(model_dir, cfg))
-    # text only: AutoRound tunes the decoder; the export copies the tower from the source as stored
-    model = qjax.load_model(model_dir, dtype=jnp.dtype(dtype) if dtype else None, text_only=True)
-    tokenizer = None
+        preflight(output_dir, (len(dirs) + 1) * out_bytes)
+    # one block at a time: AutoRound tunes the decoder; the export copies the rest from the source as stored
+    source = FolderBlocks(model_dir, dtype=jnp.dtype(dtype) if dtype else None)
     try:
-        tokenizer = load_tokenizer(model_dir)
-    except ValueError:
-        pass  # only needed for text data; calibration_ids says so when it is
-    ids = calibration_ids(dataset, tokenizer, nsamples=cfg.nsamples, seqlen=cfg.seqlen, seed=cfg.seed,
-                          vocab_size=model.config.vocab_size, tuned=cfg.iters > 0)
-    logger.info("calibration: %d samples of %d tokens from %s", ids.shape[0], ids.shape[1], dataset)
-    fingerprint = {"model": os.path.abspath(model_dir), "dtype": str(model.dtype), "format": fmt,
-                   "calibration_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
-                   **{k: v for k, v in cfg.to_dict().items() if k != "chunk"}}
-    fingerprint = json.loads(json.dumps(fingerprint))  # what state.json holds after a round trip
-    pdir = progress_dir_for(output_dir)
-    ar = AutoRound(model, ids, cfg, progress=progress, progress_dir=pdir, resume=resume, fingerprint=fingerprint,
-                   on_block=on_block, programs=programs)
-    ar.run()
-    qmodel = ar.quantized_model()
-    extra = [os.path.join(model_dir, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]
-    report = os.path.join(pdir, REPORT_FILE)
-    with open(report, "w", encoding="utf-8") as f:
-        f.write(report_json(ar.reports))
-    extra.append(report)
-    # the source's MTP head and vision tower go into the export as stored (qjax.quant.unquantized)
-    if len(dirs) > 1:
-        os.makedirs(output_dir, exist_ok=True)
-    for f, out in dirs.items():
-        if f == "llm_compressor":
-            save_pretrained(qmodel, out, overwrite=overwrite, extra_files=extra, source=model_dir)
-        else:
-            save_autoround(qmodel, out, overwrite=overwrite, extra_files=extra, tuning=_tuning_keys(cfg, ids),
-                           layer_config=cfg.layer_config or None, source=model_dir)
+        tokenizer = None
+        try:
+            tokenizer = load_tokenizer(model_dir)
+        except ValueError:
+            pass  # only needed for text data; calibration_ids says so when it is
+        ids = calibration_ids(dataset, tokenizer, nsamples=cfg.nsamples, seqlen=cfg.seqlen, seed=cfg.seed,
+                              vocab_size=source.config.vocab_size, tuned=cfg.iters > 0)
+        logger.info("calibration: %d samples of %d tokens from %s", ids.shape[0], ids.shape[1], dataset)
+        fingerprint = {"model": os.path.abspath(model_dir), "dtype": str(source.dtype), "format": fmt,
+                       "calibration_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
+                       **{k: v for k, v in cfg.to_dict().items() if k != "chunk"}}
+        fingerprint = json.loads(json.dumps(fingerprint))  # what state.json holds after a round trip
+        pdir = progress_dir_for(output_dir)
+        ar = AutoRound(source, ids, cfg, progress=progress, progress_dir=pdir, resume=resume,
+                       fingerprint=fingerprint, on_block=on_block, programs=programs)
+        plan = plan_memory(ar, device_memory=device_memory, output_bytes=out_bytes)  # refused here, before any work, when it cannot fit
+        ar.streams = plan.where
+        for line in plan.lines():
+            logger.info("%s", line)
+        if on_plan:
+            on_plan(plan)
+        ar.run()
+        extra = [os.path.join(model_dir, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]
+        report = os.path.join(pdir, REPORT_FILE)
+        with open(report, "w", encoding="utf-8") as f:
+            f.write(report_json(ar.reports))
+        extra.append(report)
+        # the source's MTP head and vision tower go into the export as stored (qjax.quant.unquantized)
+        if len(dirs) > 1:
+            os.makedirs(output_dir, exist_ok=True)
+        save_streamed(ar, model_dir, dirs, overwrite=overwrite, extra_files=extra, tuning=_tuning_keys(cfg, ids),
+                      layer_config=cfg.layer_config or None)
+    finally:
+        source.close()
     prog.finish(pdir)
     return output_dir
 
@@ -292,8 +306,10 @@ def cli(a) -> int:
               if cache else "compilation cache: off (every block structure traces and compiles its tuning step in "
               "this run)", file=sys.stderr)
 
+    budget = None if a.device_memory is None else int(a.device_memory * 2**30)
     out = quantize_folder(model_dir, a.output_dir, cfg, dataset=dataset, fmt=a.format, dtype=a.dtype,
-                          overwrite=a.overwrite, resume=a.resume, progress=not a.quiet, programs=program_cache(cache))
+                          overwrite=a.overwrite, resume=a.resume, progress=not a.quiet, programs=program_cache(cache),
+                          device_memory=budget)
     for f, d in format_dirs(out, a.format).items():
         print(f"wrote {d} ({f})")
     return 0

@@ -47,31 +47,45 @@ def dequantize_result(r, dtype) -> jnp.ndarray:
 def _module_entries(module: str, r, scale_dtype: str) -> dict[str, tuple]:
     """compressed-tensors tensors of one 2-D module: key → (shape, safetensors dtype, get), laid out by
     :func:`qjax.checkpoint.layout.packed_entries` (the layout the loader reads)."""
-    n, k = r.packed.shape[-2], r.in_features
-    scheme = schemes.from_autoround(r.scheme, scale_dtype)
+    return _lazy_module_entries(module, r.scheme, (r.packed.shape[-2], r.in_features), scale_dtype, lambda: r)
+
+
+def _lazy_module_entries(module: str, scheme, shape: tuple[int, int], scale_dtype: str, result,
+                         expert: int | None = None) -> dict[str, tuple]:
+    """:func:`_module_entries` of a result that ``result()`` gives when a tensor is first read (expert ``expert``
+    of a stacked one): nothing is read before the writer asks."""
+
+    def compute():
+        r = result()
+        if expert is not None:
+            r = _expert_slice(r, expert)
+        return np.asarray(r.packed), np.asarray(r.scale), None if r.zp is None else r.zp
+
     # the scales are cast to the layout's dtype (scale_dtype; E8M0 bytes for MXFP8) as they are encoded
-    return packed_entries(module, scheme, (n, k), dtype_name(jnp.dtype(scale_dtype)),
-                          lambda: (np.asarray(r.packed), np.asarray(r.scale), None if r.zp is None else r.zp))
+    return packed_entries(module, schemes.from_autoround(scheme, scale_dtype), tuple(shape),
+                          dtype_name(jnp.dtype(scale_dtype)), compute)
 
 
-def build_quantized_model(ar):
-    """The packed qjax model of a finished :class:`~qjax.autoround.driver.AutoRound` run."""
-    model, mcfg, cfg = ar.model, ar.model.config, ar.cfg
-    if len(ar.results) < len(ar.layers):
-        raise RuntimeError(f"AutoRound: {len(ar.results)} of {len(ar.layers)} blocks are quantized; run() first")
+def quantized_entries(ar, result_of, prefix: str = "model.") -> tuple[QuantizationConfig, dict[str, tuple], set]:
+    """What a finished :class:`~qjax.autoround.driver.AutoRound` run adds to a checkpoint: (its quantization config,
+    the compressed-tensors tensors of every quantized module, FP8 K/V scales and a quantized LM head as entries —
+    key → (shape, dtype, get) —, the quantized modules' names). ``result_of(i)``: block ``i``'s
+    ``{unit: UnitResult}``, called only when a tensor of that block is read (the streamed export reads them from
+    the progress folder, one block at a time). Keys under ``prefix`` (the text prefix of the checkpoint they join;
+    module names in the config stay ``model.``-relative, as the writers read them)."""
+    mcfg, cfg = ar.mcfg, ar.cfg
     entries: dict[str, tuple] = {}
     groups: dict[WeightScheme, list[str]] = {}
     quantized_modules: set[str] = set()
-    for i, res in sorted(ar.results.items()):
-        for u in blocks.layer_units(mcfg, mcfg.layer_types[i]):
-            if u.name not in res:
-                continue
-            r = res[u.name]
-            ws = schemes.from_autoround(r.scheme, cfg.scale_dtype)
+    for i in range(ar.num_layers):
+        for u, s in ar.block_units(i):
+            ws = schemes.from_autoround(s, cfg.scale_dtype)
             names = blocks.unit_names(u, i, mcfg.num_experts)
+            result = (lambda i=i, u=u: result_of(i)[u.name])
             for e, module in enumerate(names):
-                re_ = r if not u.experts else _expert_slice(r, e)
-                entries.update(_module_entries(module, re_, cfg.scale_dtype))
+                key_module = prefix + module[len("model."):]
+                entries.update(_lazy_module_entries(key_module, s, u.shape, cfg.scale_dtype, result,
+                                                    e if u.experts else None))
                 groups.setdefault(ws, []).append(module)
                 quantized_modules.add(module)
     if ar.head_result is not None:
@@ -85,11 +99,20 @@ def build_quantized_model(ar):
         for i, (ks, vs) in ar.kv_scales.items():
             for name, s in (("k_scale", ks), ("v_scale", vs)):
                 arr = np.asarray(s, np.float32).reshape(-1)
-                entries[f"model.layers.{i}.self_attn.{name}"] = (arr.shape, "F32", (lambda a=arr: a))
+                entries[f"{prefix}layers.{i}.self_attn.{name}"] = (arr.shape, "F32", (lambda a=arr: a))
     ignore = sorted(n for n in ar.names if n not in quantized_modules) + ([] if "lm_head" in quantized_modules
                                                                           else ["lm_head"])
     qc = QuantizationConfig(groups=tuple((f"group_{j}", tuple(v), k) for j, (k, v) in enumerate(groups.items())),
                             ignore=tuple(ignore), kv_cache=kv)
+    return qc, entries, quantized_modules
+
+
+def build_quantized_model(ar):
+    """The packed qjax model of a finished :class:`~qjax.autoround.driver.AutoRound` run on a model in memory."""
+    model, mcfg = ar.model, ar.mcfg
+    if len(ar.results) < ar.num_layers:
+        raise RuntimeError(f"AutoRound: {len(ar.results)} of {ar.num_layers} blocks are quantized; run() first")
+    qc, entries, quantized_modules = quantized_entries(ar, lambda i: ar.results[i])
     merged: dict[str, tuple] = {}
     for key, shape, dtype, get in dense_entries(model):
         module = key[: -len(".weight")] if key.endswith(".weight") else None

@@ -40,6 +40,7 @@ from qjax.quant.packing import pack_int32
 
 from . import blocks, head
 from . import progress as prog
+from . import stream
 from .assemble import build_quantized_model, dequantize_result
 from .data import IndexSampler
 from .imatrix import collect
@@ -145,6 +146,12 @@ class AutoRound:
         results = ar.run()                   # {layer index: {unit name: UnitResult}}
         qmodel = ar.quantized_model()        # packed qjax model (what the writers export)
 
+    ``model``: a loaded model, or a :class:`qjax.autoround.stream.FolderBlocks` — a checkpoint folder read one
+    block at a time, each finished block's results kept only in ``progress_dir`` (required then), exported by
+    :mod:`qjax.autoround.export` without the model ever being held (``qjax quantize``). ``streams``: where the
+    cached calibration streams live, ``"device"`` or ``"host"`` (:mod:`.stream`; :mod:`.plan` chooses for
+    ``qjax quantize``).
+
     ``devices``: what the tuning step may split its minibatch over (:func:`data_parallel_mesh`; default all devices
     of the default backend, ``jax.devices()[:1]`` for one).
 
@@ -156,19 +163,22 @@ class AutoRound:
     def __init__(self, model, calib_ids: np.ndarray, cfg: AutoRoundConfig, *, progress: bool = True,
                  progress_dir: str | None = None, resume: bool = False, fingerprint: dict | None = None,
                  on_block: Callable[[BlockReport], None] | None = None, devices=None,
-                 programs: ProgramCache | None = None):
-        if getattr(model, "quant", None) is not None:
-            raise ValueError("AutoRound: the model is already quantized; start from the BF16/FP32 checkpoint")
+                 programs: ProgramCache | None = None, streams: str = stream.DEVICE):
+        self.source = stream.blocks_of(model)
         ids = np.asarray(calib_ids, np.int32)
         if ids.ndim != 2 or ids.shape[0] < 1:
             raise ValueError(f"calibration ids must be [nsamples, seqlen], got {ids.shape}")
-        self.model, self.cfg, self.ids = model, cfg, ids
-        self.mcfg = model.config
+        if self.source.streamed and not progress_dir:
+            raise ValueError("AutoRound: a folder run keeps its finished blocks in progress_dir; give one")
+        if streams not in (stream.DEVICE, stream.HOST):
+            raise ValueError(f"streams must be {stream.DEVICE!r} or {stream.HOST!r}, got {streams!r}")
+        self.cfg, self.ids, self.streams = cfg, ids, streams
+        self.mcfg = self.source.config
+        self.num_layers = self.mcfg.num_hidden_layers
         self.progress, self.on_block = progress, on_block
-        self.layers = blocks.decoder_layers(model)
         self.names = self._all_linear_names()
         self.head_unit = head.unit(self.mcfg)
-        with_head = head.wanted(cfg.base_scheme, cfg.quant_lm_head, cfg.layer_config, model.lm_head is None)
+        with_head = head.wanted(cfg.base_scheme, cfg.quant_lm_head, cfg.layer_config, self.source.tied_head)
         self.schemes = resolve({**self.names, **({head.NAME: self.head_unit.shape} if with_head else {})},
                                cfg.base_scheme, cfg.layer_config, ignored=cfg.ignore_layers)
         head_scheme = self.schemes.pop(head.NAME, None)
@@ -185,6 +195,16 @@ class AutoRound:
         if self.mesh is not None:
             logger.info("tuning data parallel over %d devices (%d of each minibatch's %d samples on each)",
                         self.mesh.size, cfg.batch_size // self.mesh.size, cfg.batch_size)
+
+    @property
+    def model(self):
+        """The model in memory (a run on a loaded model)."""
+        return self.source.model
+
+    @property
+    def layers(self) -> list:
+        """Every decoder layer as its own module (a run on a loaded model)."""
+        return self.source.layers
 
     # -- schemes ------------------------------------------------------------------------------------------------------
     def _all_linear_names(self) -> dict[str, tuple[int, int]]:
@@ -213,49 +233,56 @@ class AutoRound:
             t = self.ids.shape[1]
             # one program: built op by op it was ~25 small ones per batch size, each traced, lowered and compiled
             # (or loaded from the persistent cache) in the first block
-            build = jax.jit(lambda ids: self.model.step_context(ids, None, None, None)[0])
+            build = jax.jit(self.source.step_context)
             self._ctxs[b] = build(jnp.zeros((b, t), jnp.int32))
         return self._ctxs[b]
 
     def _forward(self, layer, h: jnp.ndarray) -> jnp.ndarray:
-        """``layer(h)`` over the whole stream, ``batch_size`` samples at a time."""
+        """``layer(h)`` over the whole stream, ``batch_size`` samples at a time (where ``h`` lives: :mod:`.stream`)."""
         graphdef, state = nnx.split(layer)
         fn = _forward_fn(graphdef, self.programs)
-        bs = self.cfg.batch_size
-        outs = [fn(state, h[i:i + bs], self._ctx(min(bs, h.shape[0] - i))) for i in range(0, h.shape[0], bs)]
-        return jnp.concatenate(outs)
+        return stream.map_batches(lambda x: fn(state, x, self._ctx(x.shape[0])), h, self.cfg.batch_size)
 
     # -- main loop ----------------------------------------------------------------------------------------------------
     def run(self) -> dict[int, dict[str, UnitResult]]:
-
-        done = prog.load(self) if self.resume else 0
+        n = self.num_layers
+        done = prog.load(self, keep_results=not self.source.streamed) if self.resume else 0
         if self.resume:
-            logger.info("--resume: %d of %d blocks reused from %s%s", done, len(self.layers), self.progress_dir,
-                        "" if done < len(self.layers) else " (all of them: only the export is left)")
+            logger.info("--resume: %d of %d blocks reused from %s%s", done, n, self.progress_dir,
+                        "" if done < n else " (all of them: only the export is left)")
         if not self.resume and self.progress_dir:
             prog.start(self)
         # plain RTN (iters 0, no imatrix, no KV scales) needs no calibration forward at all, as in auto-round
         streams = self._needs_streams()
-        h = self.model.embed(jnp.asarray(self.ids)) if streams else None
+        h = stream.place(self.source.embed(self.ids), self.streams) if streams else None
         fp_in = q_in = h
-        for i, layer in enumerate(self.layers):
+        del h
+        for i in range(n):
             t0 = time.perf_counter()
             if not streams:
                 if i >= done:
-                    self._rtn_block(i, layer, t0)
+                    self._rtn_block(i, self.source.layer(i), t0)
+                    self.source.release(i)
+                    if self.source.streamed:
+                        del self.results[i]
                 continue
+            layer = self.source.layer(i)
             fp_out = self._forward(layer, fp_in)
             if i < done:
                 qlayer = self._apply_results(layer, i)
                 q_in = self._forward(qlayer, q_in) if self.cfg.enable_quanted_input else fp_out
                 fp_in = fp_out
+                del qlayer, layer
+                self.source.release(i)
                 continue
             kind = self.mcfg.layer_types[i]
-            units = self._block_units(i)
+            units = self.block_units(i)
             report = BlockReport(index=i, kind=kind, units=len(units))
             x_in = q_in if self.cfg.enable_quanted_input else fp_in
             imatrix = self._imatrix(layer, fp_in, units) if self._needs_imatrix(units) else {}
             res, stats = self._quantize_block(i, layer, units, x_in, fp_out, imatrix)
+            del x_in, imatrix
+            fp_in = None  # the float input is not needed past tuning: one stream less while q_out is computed
             self.results[i] = res
             report.init_loss, report.best_loss, report.best_iter, report.iter_seconds, report.compile_seconds = stats
             qlayer = self._apply_results(layer, i)
@@ -263,7 +290,11 @@ class AutoRound:
             if self.cfg.static_kv_dtype and kind == FULL:
                 self.kv_scales[i] = self._kv_scales(qlayer, q_in)
             fp_in, q_in = fp_out, q_out
+            del qlayer, layer, fp_out, q_out
             self._finish_block(report, t0)
+            self.source.release(i)
+            if self.source.streamed:  # saved in the progress folder: the export reads it from there
+                del self.results[i]
         if self.head_scheme is not None:
             self._quantize_head(fp_in, q_in)
         return self.results
@@ -271,14 +302,15 @@ class AutoRound:
     def _needs_streams(self) -> bool:
         if self.cfg.iters > 0 or self.cfg.static_kv_dtype:
             return True
-        return any(self._needs_imatrix(self._block_units(i)) for i in range(len(self.layers)))
+        return any(self._needs_imatrix(self.block_units(i)) for i in range(self.num_layers))
 
-    def _block_units(self, i: int) -> list[tuple[blocks.Unit, Scheme]]:
+    def block_units(self, i: int) -> list[tuple[blocks.Unit, Scheme]]:
+        """The units of block ``i`` the run quantizes, with their schemes (in the layer's unit order)."""
         units = [(u, self.unit_scheme(i, u)) for u in blocks.layer_units(self.mcfg, self.mcfg.layer_types[i])]
         return [(u, s) for u, s in units if s.quantized]
 
     def _rtn_block(self, i: int, layer, t0: float) -> None:
-        units = self._block_units(i)
+        units = self.block_units(i)
         report = BlockReport(index=i, kind=self.mcfg.layer_types[i], units=len(units))
         self.results[i], _ = self._quantize_block(i, layer, units, None, None, {})
         self._finish_block(report, t0)
@@ -288,20 +320,23 @@ class AutoRound:
         RTN. Not saved to the progress folder: a resumed run recomputes the streams through every block anyway."""
         t0 = time.perf_counter()
         u, s = self.head_unit, self.head_scheme
-        report = BlockReport(index=len(self.layers), kind=head.NAME, units=1)
+        report = BlockReport(index=self.num_layers, kind=head.NAME, units=1)
+        final_norm, lm_head = self.source.head()
         x = {}
         if fp_h is not None and self.cfg.iters > 0:
-            norm = jax.jit(lambda h: self.model.norm(h))
+            norm = jax.jit(lambda h: final_norm(h))
+            if stream.is_host(fp_h):  # one minibatch at a time, as the streams' forwards
+                norm = functools.partial(stream.map_batches, norm, batch_size=self.cfg.batch_size)
             x["fp"] = norm(fp_h)
             x["q"] = norm(q_h) if self.cfg.enable_quanted_input else x["fp"]
         tuner = functools.partial(self._tune_head, x_q=x.get("q"), x_f=x.get("fp"))
-        res, stats = self._quantize_block(report.index, head.HeadBlock(self.model.lm_head), [(u, s)], None, None, {},
+        res, stats = self._quantize_block(report.index, head.HeadBlock(lm_head), [(u, s)], None, None, {},
                                           tuner=tuner)
         self.head_result = res[u.name]
         report.init_loss, report.best_loss, report.best_iter, report.iter_seconds, report.compile_seconds = stats
         report.seconds = time.perf_counter() - t0
         self.reports.append(report)
-        logger.info("%s", report.line(len(self.layers)))
+        logger.info("%s", report.line(self.num_layers))
 
     def _tune_head(self, i, layer, units, weights, consts, params, x_in, fp_out, *, x_q, x_f):
         """:meth:`_tune` for the head (one device; the minibatch's samples one at a time, :mod:`.head`)."""
@@ -317,7 +352,7 @@ class AutoRound:
         params = {u.name: params[u.name]}
         carry = (params, opt.init(params), jnp.asarray(jnp.inf, jnp.float32), params, jnp.asarray(0, jnp.int32),
                  jnp.asarray(-1, jnp.int32))
-        return self._run_tuning(step, carry, (w, c, x_q, x_f, mask), sampler, head.NAME)
+        return self._run_tuning(step, carry, (w, c, x_q, x_f, mask), sampler, head.NAME, None)
 
     def _finish_block(self, report: BlockReport, t0: float) -> None:
 
@@ -327,7 +362,7 @@ class AutoRound:
             prog.save_block(self, report.index)
         if self.on_block:
             self.on_block(report)
-        logger.info("%s", report.line(len(self.layers)))
+        logger.info("%s", report.line(self.num_layers))
 
     # -- one block ----------------------------------------------------------------------------------------------------
     def _quantize_block(self, i, layer, units, x_in, fp_out, imatrix, tuner=None):
@@ -419,29 +454,45 @@ class AutoRound:
         args = (state, weights, consts, fixed, x_in, fp_out, ctx, mask)
         best = jnp.asarray(jnp.inf, jnp.float32)
         carry = (params, opt_state, best, params, jnp.asarray(0, jnp.int32), jnp.asarray(-1, jnp.int32))
+        chunk_sharding = None
         if mesh is not None:
             # every operand placed as the step's specs say (the minibatch indices are split per call); the carry as
-            # the step returns it, so the second call finds the first call's program instead of compiling another
+            # the step returns it, so the second call finds the first call's program instead of compiling another.
+            # Host streams stay on the host: each chunk's minibatches are sent, replicated, per call
             carry_specs, arg_specs = _step_specs(params, fixed, sharded)
-            carry, args = jax.device_put((carry, args), jax.tree.map(
-                lambda sp: NamedSharding(mesh, sp), (carry_specs, arg_specs), is_leaf=lambda x: isinstance(x, P)))
+            host = [j for j, a in enumerate(args) if stream.is_host(a)]
+            carry, placed = jax.device_put((carry, tuple(None if j in host else a for j, a in enumerate(args))),
+                                           jax.tree.map(lambda sp: NamedSharding(mesh, sp), (carry_specs, arg_specs),
+                                                        is_leaf=lambda x: isinstance(x, P)))
+            args = tuple(args[j] if j in host else a for j, a in enumerate(placed))
             args = (args[0], blocks.state_weights(args[0]), *args[2:])  # the placed state's buffers, not a 2nd copy
-        return self._run_tuning(step, carry, args, sampler, f"block {i + 1}/{len(self.layers)}")
+            chunk_sharding = NamedSharding(mesh, P())
+        return self._run_tuning(step, carry, args, sampler, f"block {i + 1}/{self.num_layers}", chunk_sharding)
 
-    def _run_tuning(self, step, carry, args: tuple, sampler: IndexSampler, label: str):
+    def _run_tuning(self, step, carry, args: tuple, sampler: IndexSampler, label: str, chunk_sharding):
         """The tuning loop of a block or the head: ``iters`` iterations in jitted chunks of ``chunk``
         (``step(carry, idx [k, B], *args) → (carry, losses [k])``), a progress bar labelled ``label``. Returns (the
         parameters kept — the best iteration's unless ``not_use_best_mse`` —, (first loss, best loss, best iteration,
-        seconds per steady iteration, compile seconds))."""
+        seconds per steady iteration, compile seconds)). Streams among ``args`` that live on the host are replaced,
+        per chunk, by the chunk's minibatches (:func:`.stream.gather_chunk`, placed with ``chunk_sharding``)."""
         cfg = self.cfg
         bar = _bar(self.progress, cfg.iters, label)
         losses, chunks = [], []  # chunks: (iterations, seconds) of each jitted call
+        host = [j for j, a in enumerate(args) if stream.is_host(a)]
         it = 0
         while it < cfg.iters:
             k = min(cfg.chunk, cfg.iters - it)
-            idx = jnp.asarray([sampler.next_batch() for _ in range(k)], jnp.int32)
+            idx = np.asarray([sampler.next_batch() for _ in range(k)], np.int32)
             t0 = time.perf_counter()
-            carry, chunk_losses = step(carry, idx, *args)
+            call = args
+            if host:
+                idx, chunks_ = stream.gather_chunk(idx, tuple(args[j] for j in host), chunk_sharding)
+                call = list(args)
+                for j, c in zip(host, chunks_):
+                    call[j] = c
+            else:
+                idx = jnp.asarray(idx)
+            carry, chunk_losses = step(carry, idx, *call)
             # waits for the chunk on every device: with several, XLA:CPU could deadlock in a collective when two
             # multi-device programs were in flight at once (seen in a two-device probe, jax 0.10.2)
             jax.block_until_ready(carry)
@@ -467,7 +518,9 @@ class AutoRound:
     def _apply_results(self, layer, i: int):
         """A copy of ``layer`` whose quantized units hold their fake-quantized (dequantized) weights."""
 
-        res = self.results.get(i, {})
+        res = self.results.get(i)
+        if res is None:  # a finished block of a streamed run: in the progress folder
+            res = prog.read_results(self.progress_dir, i)
         units = blocks.layer_units(self.mcfg, self.mcfg.layer_types[i])
         weights = blocks.weights_of(layer)
         new = {u.name: dequantize_result(res[u.name], blocks.unit_weight(weights, u).dtype)
@@ -491,7 +544,11 @@ class AutoRound:
         return np.asarray(jnp.max(jnp.stack(ks), 0)), np.asarray(jnp.max(jnp.stack(vs), 0))
 
     def quantized_model(self):
-
+        """The packed model of a run on a model in memory (a folder run is exported from its progress folder by
+        :mod:`qjax.autoround.export`, never held whole)."""
+        if self.source.streamed:
+            raise RuntimeError("AutoRound: a folder run is written by qjax.autoround.export.save_streamed; it never "
+                               "holds the quantized model")
         return build_quantized_model(self)
 
 

@@ -99,8 +99,10 @@ def save_block(ar, i: int) -> None:
     _write_state(ar.progress_dir, ar.fingerprint, [*blocks, _sha256(path)])
 
 
-def load(ar) -> int:
-    """Restore the finished blocks into ``ar``; returns how many there are."""
+def load(ar, keep_results: bool = True) -> int:
+    """Restore the finished blocks into ``ar`` — their reports and KV scales, and their results unless
+    ``keep_results`` is False (a streamed run reads each block's when it needs it: :func:`read_results`) — after
+    checking every block file against the SHA-256 recorded when it was written; returns how many there are."""
     folder = ar.progress_dir
     state_path = os.path.join(folder or "", STATE)
     if not folder or not os.path.isfile(state_path):
@@ -118,24 +120,40 @@ def load(ar) -> int:
             raise ResumeError(f"--resume: {path} is missing or altered (its SHA-256 differs from the one recorded "
                               "when it was written); start the run again without --resume")
         try:
-            _load_block(ar, i, path)
+            _load_block(ar, i, path, keep_results)
         except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
             raise ResumeError(f"--resume: {path} cannot be read ({type(e).__name__}: {e})") from None
     return done
 
 
-def _load_block(ar, i: int, path: str) -> None:
+def read_results(folder: str, i: int) -> dict[str, UnitResult]:
+    """Block ``i``'s ``{unit: UnitResult}`` as saved in ``folder`` (a streamed run's finished block)."""
+    path = _block_path(folder, i)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return _results(z, json.loads(bytes(z["meta"]).decode()))
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        raise ResumeError(f"{path} cannot be read ({type(e).__name__}: {e}); start the run again without "
+                          "--resume") from None
+
+
+def _results(z, meta: dict) -> dict[str, UnitResult]:
+    res = {}
+    for name, m in meta["units"].items():
+        packed = z[f"{name}/packed"]
+        if m["float8"]:
+            packed = packed.view(ml_dtypes.float8_e4m3fn)
+        res[name] = UnitResult(Scheme(**m["scheme"]), packed, z[f"{name}/scale"], m["in_features"],
+                               z[f"{name}/zp"] if f"{name}/zp" in z else None, m["scale_dtype"])
+    return res
+
+
+def _load_block(ar, i: int, path: str, keep_results: bool) -> None:
 
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(bytes(z["meta"]).decode())
-        res = {}
-        for name, m in meta["units"].items():
-            packed = z[f"{name}/packed"]
-            if m["float8"]:
-                packed = packed.view(ml_dtypes.float8_e4m3fn)
-            res[name] = UnitResult(Scheme(**m["scheme"]), packed, z[f"{name}/scale"], m["in_features"],
-                                   z[f"{name}/zp"] if f"{name}/zp" in z else None, m["scale_dtype"])
-        ar.results[i] = res
+        if keep_results:
+            ar.results[i] = _results(z, meta)
         if "kv/k_scale" in z:
             ar.kv_scales[i] = (z["kv/k_scale"], z["kv/v_scale"])
         if meta["report"] is not None:

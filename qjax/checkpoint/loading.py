@@ -264,22 +264,179 @@ def load_from_view(cfg: TextConfig, qc, ckpt: CheckpointView, dtype, *, progress
 
         set_plan(model, plan)
         shardings = state_shardings(model, plan)
+    return _fill(model, leaves, targets, ckpt, shardings=shardings, keys=_progress(_ordered(ckpt, targets), ckpt,
+                                                                                 targets, progress),
+                 verify=verify, dtype=model.dtype)
+
+
+def _fill(module, leaves: dict, targets: dict[str, Target], ckpt: CheckpointView, *, shardings=None, keys=None,
+          verify: bool, dtype):
+    """``module`` (abstract, with ``leaves``) with every tensor of ``targets`` read from ``ckpt`` into its variables:
+    the whole model (:func:`load_from_view`) or one part of it (:class:`ModelParts`). ``dtype``: the model's, for
+    :func:`verify_values`."""
     placer = _Placer(leaves, shardings, Counter(t.path for t in targets.values() if t.path is not None))
-    for key in _progress(_ordered(ckpt, targets), ckpt, targets, progress):
+    for key in (_ordered(ckpt, targets) if keys is None else keys):
         t = targets[key]
         arr = ckpt.get(key)  # once: a converting view (auto-round) hands each tensor out once
         if verify:
-            verify_values(ckpt, key, arr, dtype=model.dtype)
+            verify_values(ckpt, key, arr, dtype=dtype)
         arr = _transform(ckpt, key, t, arr)
         if t.path is not None:
             placer.put(t, _host_cast(arr, leaves[t.path].dtype))
 
-    graphdef, state = nnx.split(model)
+    graphdef, state = nnx.split(module)
     flat = nnx.to_flat_state(state)
     for p, v in flat:
         value = placer.array(tuple(p))
         v.set_value(value) if hasattr(v, "set_value") else setattr(v, "value", value)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+class ModelParts:
+    """A checkpoint folder read one part at a time, for a run that never holds the whole model (``qjax quantize``
+    streams the decoder one block at a time: :mod:`qjax.autoround.stream`).
+
+    Opening it makes every check :func:`load_model` makes before reading data (config.json and
+    generation_config.json fields, strict headers, every tensor's name, shape and dtype against the model); each
+    part is then read alone through the loader's own path — lazy safetensors reads, :func:`verify_values` (when
+    ``verify``), the same casts into the same variables — so decoder layer ``i`` is layer ``i`` of
+    :func:`load_model`'s model, bit for bit. Text only: the vision tower is never read. Close it with :meth:`close`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, dtype=None, verify: bool = True):
+        path = os.fspath(path)
+        if dtype is not None:
+            dtype = model_dtype(dtype, "ModelParts(dtype=…)")
+        self.folder = path
+        self.config = TextConfig.from_file(path)
+        vision = VisionConfig.from_file(path)
+        self.generation_config = GenerationConfig.from_folder(path, vocab_size=self.config.vocab_size)
+        self.verify = verify
+        self._ckpt = Checkpoint(path)
+        try:
+            qc, view = quantization_view(path, self._ckpt)
+            self.model, _, self.targets, _, self.view = _structure(self.config, qc, view, dtype, vision, text_only=True)
+        except BaseException:
+            self._ckpt.close()
+            raise
+        self.dtype = self.model.dtype
+        self.prefix = text_prefix(self.view.keys())
+
+    @property
+    def quant(self):
+        """The checkpoint's quantization (a :class:`ModelQuant`), None when dense."""
+        return self.model.quant
+
+    def layer_keys(self, i: int) -> list[str]:
+        """The stored tensors of decoder layer ``i``, in on-disk order."""
+        stem = f"{self.prefix}layers.{i}."
+        return [k for k in self.view.keys() if k.startswith(stem) and k in self.targets]
+
+    def layer(self, i: int):
+        """Decoder layer ``i`` as its own module (what :func:`qjax.autoround.blocks.decoder_layers` cuts out of a
+        loaded model), its weights read now onto the default device."""
+        period = len(self.model.layer_kinds)
+        g, slot = divmod(i, period)
+        graphdef, state = nnx.split(self.model.groups)
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
+        layer = nnx.merge(graphdef, one).layers[slot]
+        # the layer's targets, the group axis dropped from their variable path ('groups', 'layers', slot, …) and offset
+        targets = {}
+        for k in self.layer_keys(i):
+            t = self.targets[k]
+            targets[k] = t if t.path is None else dataclasses.replace(t, path=t.path[3:], start=t.start[1:])
+        return self._fill(layer, targets)
+
+    def module(self, name: str):
+        """A top-level part of the text model (``"norm"``, ``"lm_head"``), read now onto the default device."""
+        sub = getattr(self.model, name)
+        if sub is None:
+            raise ValueError(f"{self.folder}: the model has no {name}")
+        targets = {k: dataclasses.replace(t, path=t.path[1:]) for k, t in self.targets.items()
+                   if t.path is not None and t.path[0] == name}
+        return self._fill(sub, targets)
+
+    def embedding(self) -> np.ndarray:
+        """The token embedding ``[vocab, hidden]`` on the host, in the model dtype (memory-mapped when the stored
+        dtype is the model's: only the rows taken are read)."""
+        key = self.prefix + "embed_tokens.weight"
+        arr = self.view.get(key)
+        if self.verify:
+            verify_values(self.view, key, arr, dtype=self.dtype)
+            self._ckpt.drop_pages()  # the check read every page; the embed reads the rows it takes again
+        return _host_cast(arr, self.dtype)
+
+    def _fill(self, module, targets: dict[str, Target]):
+        leaves = variable_shapes(module)
+        check_memory(self.folder, module, leaves)
+        try:
+            return _fill(module, leaves, targets, self.view, verify=self.verify, dtype=self.dtype)
+        finally:
+            self._ckpt.drop_pages()  # the part is on the device now: its file pages leave this process's RSS
+
+    def close(self) -> None:
+        self._ckpt.close()
+
+
+def deferred_model(cfg: TextConfig, qc, ckpt: CheckpointView, dtype):
+    """The model of ``cfg`` (quantized as ``qc`` says) whose variables read their tensors from ``ckpt`` only when a
+    writer takes them: what :func:`qjax.checkpoint.layout.checkpoint_tensors` — so every writer — writes as it writes
+    a loaded model, holding one tensor at a time instead of the model (``qjax quantize``'s streamed export,
+    :mod:`qjax.autoround.export`). Checked as :func:`load_from_view` checks (names, shapes, dtypes); each tensor
+    goes through the loader's transforms and casts, so the written folder is the one a loaded model would give.
+    Text only; not a model to run (its variables hold readers, not arrays)."""
+    model, leaves, targets, _, ckpt = _structure(cfg, qc, ckpt, dtype, None, text_only=True)
+    regions: dict[tuple, list[tuple[str, Target]]] = {}
+    for key, t in targets.items():
+        if t.path is not None:
+            regions.setdefault(t.path, []).append((key, t))
+    last: dict = {}  # the last tensor read: a writer asks for the experts of one fused tensor one after another
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    for p, v in flat:
+        p = tuple(p)
+        value = _Deferred(ckpt, leaves[p], regions.get(p, []), last)
+        v.set_value(value) if hasattr(v, "set_value") else setattr(v, "value", value)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+class _Deferred:
+    """A variable of :func:`deferred_model`: ``shape``/``dtype``/``ndim`` of the model's variable; indexing it with
+    a target's region (:meth:`Target.index`) reads the stored tensor that covers that region."""
+
+    def __init__(self, ckpt: CheckpointView, leaf, regions: list[tuple[str, Target]], last: dict):
+        self.ckpt, self.shape, self.dtype = ckpt, tuple(leaf.shape), np.dtype(leaf.dtype)
+        self.ndim = len(self.shape)
+        self.regions, self.last = regions, last
+
+    def __getitem__(self, index) -> np.ndarray:
+        want = _bounds(index, self.shape)
+        for key, t in self.regions:
+            have = _bounds(t.index(self.ndim), self.shape)
+            if all(h0 <= w0 and w1 <= h1 for (w0, w1), (h0, h1) in zip(want, have)):
+                if self.last.get("key") != key:
+                    self.last.clear()
+                    arr = _transform(self.ckpt, key, t, self.ckpt.get(key))
+                    self.last.update(key=key, arr=_host_cast(np.asarray(arr), self.dtype).reshape(
+                        [h1 - h0 for h0, h1 in have]))
+                arr = self.last["arr"]
+                inner = tuple(slice(w0 - h0, w1 - h0) for (w0, w1), (h0, _) in zip(want, have))
+                drop = tuple(0 if isinstance(i, int) else slice(None) for i in _full(index, self.ndim))
+                return arr[inner][drop]
+        raise AssertionError(f"{self.ckpt.folder}: no stored tensor holds {want} of a {list(self.shape)} variable")
+
+
+def _full(index, ndim: int) -> tuple:
+    index = index if isinstance(index, tuple) else (index,)
+    return tuple(index) + (slice(None),) * (ndim - len(index))
+
+
+def _bounds(index, shape: tuple) -> list[tuple[int, int]]:
+    """``[(start, stop)]`` per dimension of a basic index (integers and unit-step slices) into ``shape``."""
+    out = []
+    for i, n in zip(_full(index, len(shape)), shape):
+        out.append((i, i + 1) if isinstance(i, int) else i.indices(n)[:2])
+    return out
 
 
 def check_memory(folder: str, model, leaves: dict, plan=None) -> None:

@@ -256,6 +256,14 @@ class SafetensorsFile:
         arr.flags.writeable = False
         return arr
 
+    def drop_pages(self) -> None:
+        """Unmap the pages read so far from this process (``MADV_DONTNEED``; they stay in the page cache and a later
+        read maps them again). A read-only file map counts every page read in the process's resident size until it
+        is unmapped: a run that reads a large checkpoint one part at a time calls this after each part to keep its
+        resident size at one part, not the checkpoint."""
+        if self._mmap is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+
     # ---- lifetime ----------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the map. Views returned by ``get`` keep it alive until they are gone."""

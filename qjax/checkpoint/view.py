@@ -93,6 +93,12 @@ class Checkpoint:
     def file_of(self, key: str) -> str:
         return os.path.basename(self.where[key].path)
 
+    def drop_pages(self) -> None:
+        """Unmap every page read so far (:meth:`SafetensorsFile.drop_pages`): a caller reading the checkpoint part by
+        part keeps its resident size at one part."""
+        for f in self.files:
+            f.drop_pages()
+
     def close(self) -> None:
         for f in self.files:
             f.close()

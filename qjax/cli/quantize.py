@@ -72,6 +72,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="dtype the blocks run in (default: the checkpoint's)")
+    p.add_argument("--device_memory", "--device-memory", type=float, default=None, metavar="GIB",
+                   help="device memory the run may use, in GiB (default: the device's free memory; on CPU the "
+                        "host's available memory). The run reads the checkpoint one decoder block at a time and "
+                        "prints its memory plan first: block weights (the largest block in the model dtype, held "
+                        "with one more copy while tuned), packed result (one block's codes and scales, written to the "
+                        "progress folder then freed), stream (one cached calibration stream, nsamples x seqlen x "
+                        "hidden; three are kept: on the device when they fit, else on the host with one tuning "
+                        "chunk of minibatches on the device), tuning step (its working set, an estimate) and peak "
+                        "(2 x block weights + tuning step + the streams on the device) against this budget; a plan "
+                        "that cannot fit is refused before any work")
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last finished block")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
