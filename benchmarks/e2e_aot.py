@@ -123,11 +123,17 @@ NOTES = """- History of this table: at commit de5439f the scan sliced every stac
   MoE kernels (`fmt="dense"`) instead of the plain-JAX per-slot loop (8 iterations × 4 kernels per layer).
   2026-12-07: w2w4 1,350 at HEAD 8b59882 (the same with the step count a constant or an argument); the +42 against
   1,308 came with the commits since c3e8dc1 (not traced here).
-- What one w2w4 GDN layer still launches (thunk dump), about 28: residual add and two RMSNorms 5 (XLA does not fuse
-  the norm's reduction with its scaling), five projection GEMVs, conv + SiLU, decay/β, the recurrence kernel, gated
-  norm, router 5 (GEMV, softmax, copy + sort for top-k, weight cast), shared expert 4, MoE 3; a full-attention
-  layer about 31; per group of 4 layers, the conv-window and KV writes into the cache stacks. Next candidates: the
-  RMSNorm folded into the next GEMV's prologue (−2 per norm), top-k inside the MoE kernels (−4 per layer).
+- What one w2w4 layer still launches (thunk dump of the H200 decode loop, 2026-12-07, after the GDN decode kernel
+  and the routing inside the MoE kernels): a GDN layer 23–24 — RMSNorm 2 (XLA does not fuse the norm's reduction with
+  its scaling), the `in_proj_a` / `in_proj_b` GEMVs 2 and their split-K sums 2, `in_proj_qkv` 1, the GDN decode
+  kernel 1, `in_proj_z` 1, the gated norm 2, `out_proj` 1, residual add + RMSNorm 2, the router GEMV 1 and its
+  split-K sum 1, the shared expert 4 (gate, up, SiLU·up, down) and its 1-row gate 0–1 (XLA fuses it with a
+  neighbour in some layers), the MoE kernels 2, the residual add 1; a full-attention layer ~37 (its q/k/v GEMVs
+  and split-K sums, q/k norms and RoPE, the K/V cache writes and the two asynchronous cache-slice copies, the two
+  attention dots, softmax 3, the output gate, `o_proj`, then the same MoE tail). Next candidates, each removing whole launches: the RMSNorm in the next GEMV's prologue (−2 per norm), the
+  split-K partials summed by the consuming kernel (GDN decode, MoE: −3 per GDN layer), a decode-attention kernel
+  reading K/V in place (−6 or more per attention layer, and no cache-slice copies), the shared expert beside the
+  routed experts.
 - The copied-bytes count is parsed from the optimised HLO (dynamic slices of [G, …] operands in the computations
   that launch kernels, not inside fused computations) and is a compile-time estimate: XLA may overlap the copies
   with compute, but every byte is still read and written once per step.

@@ -17,9 +17,13 @@ For every dense shape (N×K: 8192×2048 q_proj/in_proj_qkv, 2048×4096 o_proj/ou
 - bytes moved (packed weights + scales + zero points + activations in/out) ÷ time, and that as a share of the copy
   bandwidth measured in the same run (a jitted copy of a 1 GiB array; read + write counted).
 
-Each time is the median of ``--repeats`` runs after a warm-up. Weights are random packed words made on the device.
+Each time is the median of ``--repeats`` runs after a warm-up, timed from the host (dispatch and
+``block_until_ready`` included: ~100 µs on a GPU whatever the kernel does). ``--device-time`` adds the device's own
+time per call of the Pallas side (``dev µs``: the profiler's kernel durations over ``--repeats`` calls,
+:mod:`device_time`) and its share of the copy bandwidth (``%BW dev``), so an M = 1 GEMV's bandwidth shows instead of
+the host floor. Weights are random packed words made on the device.
 
-    python benchmarks/kernels.py [--check] [--repeats 20] [--filter int4] [--impl pallas|interpret|reference]
+    python benchmarks/kernels.py [--check] [--device-time] [--repeats 20] [--filter int4] [--impl pallas|…]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from device_time import device_profile
 from qjax.kernels import QuantMeta, dense_meta, dequantize, ops
 from qjax.kernels.moe_reference import experts_grouped
 
@@ -61,6 +66,11 @@ def nbytes(*arrays) -> int:
     return sum(int(a.size) * a.dtype.itemsize for a in arrays if a is not None)
 
 
+def wanted(args, label: str) -> bool:
+    """``--filter``: comma-separated substrings, any of which selects a case (empty: every case)."""
+    return not args.filter or any(f and f in label for f in args.filter.split(","))
+
+
 def timeit(fn, *args, repeats: int) -> float:
     jax.block_until_ready(fn(*args))
     times = []
@@ -88,6 +98,10 @@ def measure(row: dict, ref, pal, call: tuple, moved: int, args, bw: float, rows:
             a, b = np.asarray(pal(*call), np.float32), np.asarray(ref(*call), np.float32)
             row["err"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
         row["pallas"] = timeit(pal, *call, repeats=args.repeats)
+        if args.device_time:
+            prof = device_profile(pal, call, calls=args.repeats)
+            if prof.source != "none":
+                row["dev"], row["dev_source"] = prof.per_call, prof.source
     record(row, moved, bw, rows)
 
 
@@ -95,6 +109,8 @@ def record(row: dict, moved: int, bw: float, rows: list) -> None:
     """Bandwidth shares of the timed row (``moved`` bytes), then append and print it."""
     if "pallas" in row:
         row["bw"] = moved / row["pallas"] / bw
+    if row.get("dev"):
+        row["dev_bw"] = moved / row["dev"] / bw
     row["ref_bw"] = moved / row["ref"] / bw
     rows.append(row)
     print(fmt_row(row), flush=True)
@@ -104,7 +120,7 @@ def dense_cases(args, bw, rows):
     key = jax.random.key(0)
     for (n, k) in DENSE_SHAPES:
         for scheme in SCHEMES:
-            if args.filter and args.filter not in f"dense {scheme} {n}x{k}":
+            if not wanted(args, f"dense {scheme} {n}x{k}"):
                 continue
             packed, scale, zero, meta = make_weight(key, scheme, n, k)
             w_bf16 = dequantize(packed, scale, zero, meta, jnp.bfloat16)
@@ -123,7 +139,7 @@ def dense_stack_cases(args, bw, rows, layers: int = 10):
     index. ``ref`` slices the layer for XLA's dot (what the model did before ``kernels.matmul``), ``pallas`` reads
     it in place; ``bf16`` is the plain dot on an unstacked weight (no slice) for scale."""
     for (n, k) in DENSE_SHAPES:
-        if args.filter and args.filter not in f"dense bf16-stack {n}x{k}":
+        if not wanted(args, f"dense bf16-stack {n}x{k}"):
             continue
         w = jax.random.normal(jax.random.key(n + k), (layers, n, k), jnp.bfloat16)
         g = jnp.int32(layers // 2)
@@ -140,7 +156,7 @@ def dense_stack_cases(args, bw, rows, layers: int = 10):
 def moe_cases(args, bw, rows):
     e, k_top, h, inter = MOE["experts"], MOE["top_k"], MOE["hidden"], MOE["inter"]
     for scheme in SCHEMES:
-        if args.filter and args.filter not in f"moe {scheme}":
+        if not wanted(args, f"moe {scheme}"):
             continue
         gu = make_weight(jax.random.key(1), scheme, 2 * inter, h, (e,))
         dn = make_weight(jax.random.key(2), scheme, h, inter, (e,))
@@ -169,7 +185,7 @@ def moe_dense_cases(args, bw, rows):
     """The unquantized (BF16 original) model's MoE layer: ``ref`` is the plain-JAX reference the model used before
     the kernels took dense experts (a per-slot loop at decode, expert-aligned blocks at prefill), ``pallas`` the
     MoE kernels with ``fmt="dense"`` tiles."""
-    if args.filter and args.filter not in "moe bf16-experts":
+    if not wanted(args, "moe bf16-experts"):
         return
     e, k_top, h, inter = MOE["experts"], MOE["top_k"], MOE["hidden"], MOE["inter"]
     gu = jax.random.normal(jax.random.key(1), (e, 2 * inter, h), jnp.bfloat16) * 0.03
@@ -195,7 +211,7 @@ def gdn_cases(args, bw, rows, layers: int = 10):
     ``[10, B, 32, 128, 128]`` stack, as the layer scan holds it: ``ref`` is the plain-JAX recurrence (XLA's fusions,
     the layer sliced and updated back), ``pallas`` the one-kernel step reading and writing the layer in place. The
     stack is donated and threaded through the calls, as the scan's carry is, so neither times a copy of the stack."""
-    if args.filter and args.filter not in "gdn decode":
+    if not wanted(args, "gdn decode"):
         return
     for b in (1, 8, 64):
         key = jax.random.key(b)
@@ -237,33 +253,37 @@ def gdn_cases(args, bw, rows, layers: int = 10):
 
 
 HEADER = (f"{'case':<28} {'M':>4} {'ref µs':>9} {'pallas µs':>10} {'bf16 µs':>9} {'pallas/ref':>10} "
-          f"{'%copyBW':>8} {'max rel err':>12}")
+          f"{'%copyBW':>8} {'dev µs':>8} {'%BW dev':>8} {'max rel err':>12}")
 
 
 def fmt_row(r) -> str:
-    pal = r.get("pallas")
+    pal, nan = r.get("pallas"), float("nan")
     return (f"{r['case']:<28} {r['m']:>4} {r['ref'] * 1e6:>9.1f} "
-            f"{(pal * 1e6 if pal else float('nan')):>10.1f} {r.get('bf16', float('nan')) * 1e6:>9.1f} "
-            f"{(r['ref'] / pal if pal else float('nan')):>9.2f}× "
-            f"{100 * r.get('bw', r['ref_bw']):>7.1f}% {r.get('err', float('nan')):>12.2e}")
+            f"{(pal * 1e6 if pal else nan):>10.1f} {r.get('bf16', nan) * 1e6:>9.1f} "
+            f"{(r['ref'] / pal if pal else nan):>9.2f}× "
+            f"{100 * r.get('bw', r['ref_bw']):>7.1f}% {r.get('dev', nan) * 1e6:>8.1f} "
+            f"{100 * r.get('dev_bw', nan):>7.1f}% {r.get('err', nan):>12.2e}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--filter", default="")
+    p.add_argument("--filter", default="", help="comma-separated substrings of the case names (any matches)")
     p.add_argument("--check", action="store_true", help="compare Pallas with the reference before timing")
     p.add_argument("--impl", default=None, choices=["pallas", "interpret", "reference"],
                    help="default: pallas on GPU, reference elsewhere")
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--skip-dense", action="store_true")
     p.add_argument("--skip-gdn", action="store_true")
+    p.add_argument("--device-time", action="store_true",
+                   help="also the Pallas side's device time per call (profiler kernel durations: dev µs, %%BW dev)")
     args = p.parse_args(argv)
     if args.impl is None:
         args.impl = "pallas" if jax.default_backend() == "gpu" else "reference"
     bw = copy_bandwidth(args.repeats)
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}, "
-          f"copy bandwidth {bw / 1e9:.0f} GB/s, impl {args.impl}; %copyBW is the Pallas kernel's (or ref's)")
+          f"copy bandwidth {bw / 1e9:.0f} GB/s, impl {args.impl}; %copyBW is the Pallas kernel's (or ref's), host-"
+          f"timed{'; dev µs: device time per call (profiler)' if args.device_time else ''}")
     print(HEADER)
     rows: list[dict] = []
     if not args.skip_dense:

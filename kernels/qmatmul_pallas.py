@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import indexing
+from . import indexing, tiles
 from . import qmatmul_reference as reference
 from .quant_meta import QuantMeta, dense_meta
 
@@ -145,8 +145,24 @@ def _max_split(k: int, bk: int, group: int | None, want: int) -> int:
     return max(1, min(_pow2_floor(max(1, want)), _pow2_floor(max(1, k // unit))))
 
 
-def choose_config(m: int, n: int, k: int, meta: QuantMeta, x_dtype=jnp.bfloat16) -> KernelConfig:
-    """Block sizes by shape (static); see the module docstring for the two paths.
+def _measured_config(tile: dict, m: int, n: int, k: int, meta: QuantMeta) -> KernelConfig | None:
+    """A GEMV config from a measured tile (:mod:`.tiles`), or None when it does not fit this call's shape (the
+    weight must be read in place from a layer stack: N a multiple of ``bn``, K of the split's unit)."""
+    cfg = KernelConfig("gemv", _DOT_MIN, tile["bn"], tile["bk"], tile["split_k"], num_warps=tile["num_warps"],
+                       num_stages=tile["num_stages"])
+    per = 1 if meta.fmt in ("mxfp8", "dense") else 32 // meta.bits
+    group = _group(meta, meta.scale_shape[-1])
+    unit = cfg.bk * cfg.split_k if group is None or group <= cfg.bk else group * cfg.split_k
+    fits = (m <= GEMV_MAX_M and cfg.bk % per == 0 and (meta.fmt != "mxfp8" or cfg.bk % 32 == 0)
+            and n % cfg.bn == 0 and k % unit == 0)
+    return cfg if fits else None
+
+
+def choose_config(m: int, n: int, k: int, meta: QuantMeta, x_dtype=jnp.bfloat16, chip: str | None = "auto",
+                  table=tiles.TABLE) -> KernelConfig:
+    """Block sizes (static): the measured tile of :mod:`.tiles` for ``chip`` (``"auto"``: the device the program is
+    traced for; None: none) when the table has this scheme, shape and M bucket and it fits, else the shape rule
+    below (see the module docstring for the two paths).
 
     GEMV (``M ≤ 16``): ``bk`` makes each row's chunk of packed weights 128 B where K allows (int2 512, int4 256,
     int8 / fp8 128 values) and ``bn = 8192 / bk`` keeps the dequantized ``[bn, bk]`` tile at 8K elements for 4 warps;
@@ -155,6 +171,10 @@ def choose_config(m: int, n: int, k: int, meta: QuantMeta, x_dtype=jnp.bfloat16)
     K is split (≤ 4) while the grid is below one wave; stages / ``bk`` shrink if the shared-memory estimate
     exceeds :data:`SMEM_BUDGET`.
     """
+    tile = tiles.lookup(tiles.current_chip() if chip == "auto" else chip, meta, n, k, m, table)
+    measured = None if tile is None else _measured_config(tile, m, n, k, meta)
+    if measured is not None:
+        return measured
     x_bytes = jnp.dtype(x_dtype).itemsize
     bits = _weight_bits(meta)
     group = _group(meta, meta.scale_shape[-1])

@@ -19,11 +19,14 @@
 #                                   modes A/B'd in one process (qjax/runtime/xla_options.py: wall time per step, no
 #                                   profiler, tokens checked, the device's thunk structure and target config:
 #                                   benchmarks/gpu/decode_graphs.py), then full-size decode B=1/8/64 and prefill of
-#                                   w2w4 and w8a16-g32 in the fastest mode; $OUT/decode.md names the chip in every row
+#                                   w2w4 and w8a16-g32 in the fastest mode, then the MTP round (verify of k + 1
+#                                   tokens vs one step); kernel rows with device-side time (profiler) in
+#                                   $OUT/kernels_device.txt; $OUT/decode.md names the chip in every row
 #   benchmarks/gpu/run.sh decode --dry-run   the plan and the imports, no GPU needed
 # Knobs (environment): REPEATS, KERNEL_ARGS (extra benchmarks/kernels.py flags), KERNEL_TIMEOUT, RECIPES, BASELINE
 # ('' for none), RECIPE_TIMEOUT, E2E_TIMEOUT, VISION_REPEATS, VISION_TIMEOUT; decode: DECODE_MODES, DECODE_RECIPES,
-# GRAPHS_TIMEOUT, DECODE_E2E_TIMEOUT, DECODE_KERNEL_TIMEOUT.
+# GRAPHS_TIMEOUT, DECODE_E2E_TIMEOUT, DECODE_KERNEL_TIMEOUT, DECODE_DEVTIME_TIMEOUT, DECODE_DEVTIME_FILTER,
+# DECODE_SPEC_TIMEOUT.
 # Results land in $OUT (kernels.txt, e2e.md, e2e.json, vision.md); copy the tables into benchmarks/RESULTS.md.
 # The GPU image cannot install packages, so qjax is made importable from the working tree through a symlinked
 # package folder (kernels/ -> qjax.kernels, convert/ -> qjax.convert), exactly as pyproject maps them.
@@ -87,7 +90,11 @@ if [[ $PHASE == spec || $PHASE == all ]]; then
     --repeats 5 2>&1 | tee "$OUT/spec.txt"
 fi
 if [[ $PHASE == sweep ]]; then
-  timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/gpu/sweep_gemv.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.txt"
+  # the fastest config per scheme into $OUT/tiles.json (starting from the committed table): copy it over
+  # kernels/tiles.json with the RESULTS rows; choose_config reads it on that chip
+  cp kernels/tiles.json "$OUT/tiles.json"
+  timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/gpu/sweep_gemv.py --table-out "$OUT/tiles.json" ${SWEEP_ARGS:-} \
+    2>&1 | tee "$OUT/sweep.txt"
 fi
 if [[ $PHASE == vision || $PHASE == all ]]; then
   # qjax only (the image has no torch/transformers, maybe no Pillow: pixel values come from numpy); writes vision.md
@@ -95,17 +102,25 @@ if [[ $PHASE == vision || $PHASE == all ]]; then
 fi
 if [[ $PHASE == decode ]]; then
   rc=0
-  # 1. GPU correctness of every kernel (Pallas vs reference; fails on a mismatch), one timed call each (< 2 min)
-  timeout ${DECODE_KERNEL_TIMEOUT:-100} python3 benchmarks/kernels.py --check --repeats 1 ${KERNEL_ARGS:-} 2>&1 \
+  # 1. GPU correctness of every kernel (Pallas vs reference; fails on a mismatch), one timed call each (< 1.5 min),
+  #    then the target rows with the device's own time per call (profiler kernel durations: the W4G128 8192×2048
+  #    GEMV's share of the copy bandwidth at M = 1, the MoE layer at one token) (< 1 min)
+  timeout ${DECODE_KERNEL_TIMEOUT:-85} python3 benchmarks/kernels.py --check --repeats 1 ${KERNEL_ARGS:-} 2>&1 \
     | tee -a "$OUT/kernels.txt" || rc=1
-  # 2. the decode programs' XLA modes, interleaved in one process, w2w4 batch 1 (< 3 min): $OUT/best_mode.txt
-  timeout ${GRAPHS_TIMEOUT:-160} python3 benchmarks/gpu/decode_graphs.py --out "$OUT" \
+  timeout ${DECODE_DEVTIME_TIMEOUT:-60} python3 benchmarks/kernels.py --device-time --repeats 10 --skip-gdn \
+    --filter "${DECODE_DEVTIME_FILTER:-dense int4_g128 8192x2048,moe int2_g64}" 2>&1 | tee "$OUT/kernels_device.txt" || rc=1
+  # 2. the decode programs' XLA modes, interleaved in one process, w2w4 batch 1 (< 2.5 min): $OUT/best_mode.txt
+  timeout ${GRAPHS_TIMEOUT:-140} python3 benchmarks/gpu/decode_graphs.py --out "$OUT" \
     --modes "${DECODE_MODES:-xla,off,graphs,unrolled}" --recipes "${DECODE_RECIPES:-w2w4}" 2>&1 \
     | tee "$OUT/decode_graphs.txt" || rc=1
-  # 3. full size, w2w4 and w8a16-g32: prefill 1×2048 and 8×512, decode B=1/8/64, in the fastest mode (< 4.5 min)
+  # 3. full size, w2w4 and w8a16-g32: prefill 1×2048 and 8×512, decode B=1/8/64, in the fastest mode (< 3.5 min)
   mode=$(cat "$OUT/best_mode.txt" 2>/dev/null || echo xla)
-  QJAX_DECODE_GRAPHS=$mode timeout ${DECODE_E2E_TIMEOUT:-250} python3 benchmarks/e2e.py --full --no-write --out "$OUT" \
+  QJAX_DECODE_GRAPHS=$mode timeout ${DECODE_E2E_TIMEOUT:-210} python3 benchmarks/e2e.py --full --no-write --out "$OUT" \
     --timeout 120 --baseline '' --recipes w2w4,w8a16-g32 -- --repeats 3 2>&1 | tee "$OUT/e2e.txt" || rc=1
+  # 4. the MTP round at full size, w2w4, 512-token cache: verify of k + 1 tokens vs one decode step (k = 1 … 4), the
+  #    speed it projects at the built-in model's acceptance (RESULTS.md "MTP speculation") (< 1 min)
+  QJAX_DECODE_GRAPHS=$mode timeout ${DECODE_SPEC_TIMEOUT:-60} python3 benchmarks/speculative.py --cost-only --full \
+    --recipe w2w4 --dtype bfloat16 --no-write --repeats 3 2>&1 | tee "$OUT/spec.txt" || rc=1
   python3 benchmarks/gpu/decode_graphs.py --table "$OUT" > /dev/null || rc=1
   echo "decode phase: mode $mode for e2e; tables in $OUT/decode.md"
   exit $rc

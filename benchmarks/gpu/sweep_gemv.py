@@ -11,6 +11,11 @@ error), timed (median of ``--repeats``), and the table lists the fastest, ``choo
 two with the weight read in place from a 40-layer stack (what the model's decode does).
 
     python benchmarks/gpu/sweep_gemv.py [--schemes int4_g128,int2_g64] [--shape 8192x2048] [--inner 100]
+        [--table-out kernels/tiles.json]
+
+``--table-out``: the fastest config per scheme goes into that tile table (:mod:`qjax.kernels.tiles`; replacing an
+entry of the same chip, scheme, shape and M bucket), which ``choose_config`` reads on that chip. On the lent GPU
+write it under ``$OUT`` and copy it over ``kernels/tiles.json`` with the run's RESULTS rows.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import make_weight, nbytes, timeit  # noqa: E402  (benchmarks/kernels.py)
 from qjax.kernels import qmatmul_pallas as qp  # noqa: E402
+from qjax.kernels import tiles  # noqa: E402
 from qjax.kernels.qmatmul_reference import qmatmul as ref_qmatmul  # noqa: E402
 
 
@@ -75,6 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=40, help="stack depth of the in-place rows")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compile threads")
     p.add_argument("--top", type=int, default=12, help="fastest configs listed per scheme")
+    p.add_argument("--table-out", default=None, help="write the fastest config per scheme into this tile table")
     a = p.parse_args(argv)
     interpret = jax.default_backend() != "gpu"
     n, k = (int(v) for v in a.shape.split("x"))
@@ -98,6 +105,8 @@ def main(argv=None) -> int:
     print(f"loop overhead (a trivial body): {t_empty * 1e6:.2f} µs per iteration", flush=True)
 
     rc = 0
+    measured = []
+    chip = tiles.chip_of(jax.devices()[0].device_kind) or jax.devices()[0].device_kind
     for scheme in a.schemes.split(","):
         packed, scale, _, meta = make_weight(key, scheme, n, k)
         moved = nbytes(packed, scale, x) + n * 2
@@ -147,6 +156,8 @@ def main(argv=None) -> int:
                   f"{100 * moved / t / bw:>7.1f}% {err:>11.2e}{mark}", flush=True)
         for c, why in list(failed.items())[:3]:
             print(f"refused: {c}: {why}")
+        if rows and not bad:
+            measured.append((meta, rows[0][1], rows[0][0] * 1e6))
         # the model's decode reads the layer in place from its stack: the best and the default config that way
         for label, cfg in (("fastest", rows[0][1]), ("choose_config", default)):
             try:
@@ -156,6 +167,16 @@ def main(argv=None) -> int:
                       f"{100 * moved / t / bw:.1f}% of copy", flush=True)
             except Exception as e:
                 print(f"in a {a.layers}-layer stack, {label}: failed: {str(e).splitlines()[0][:160]}")
+    if a.table_out and measured:
+        if chip not in tiles.CHIPS:
+            print(f"--table-out: {chip!r} is not a chip the table holds ({', '.join(tiles.CHIPS)}); nothing written")
+            return rc or 1
+        source = (f"benchmarks/gpu/sweep_gemv.py on an {jax.devices()[0].device_kind}, "
+                  f"{time.strftime('%Y-%m-%d')}: fastest of the swept configs, {a.inner} chained calls per "
+                  f"fori_loop program, median of {a.repeats}")
+        n_written = tiles.merge(a.table_out, [tiles.entry(chip, meta, 1, cfg, us, source)
+                                              for meta, cfg, us in measured])
+        print(f"tile table {a.table_out}: {len(measured)} entries written ({n_written} in all)")
     return rc
 
 
