@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.kernels import silu
+from qjax.kernels import route, silu
 
 
 class _CaptureLinear(nnx.Module):
@@ -31,6 +31,16 @@ class _CaptureExperts(nnx.Module):
         self.inner = inner
 
     def __call__(self, x, idx, weights):
+        self._capture(x, idx)
+        return self.inner(x, idx, weights)
+
+    def routed(self, x, router_logits, top_k: int, layer=None):
+        """The model's routed call (router logits → experts in one kernel call): the same routing, captured."""
+        _, idx = route(router_logits, top_k)
+        self._capture(x, idx)
+        return self.inner.routed(x, router_logits, top_k, layer)
+
+    def _capture(self, x, idx) -> None:
         gu, dn = self.inner.gate_up_proj[...], self.inner.down_proj[...]
         e, inter = gu.shape[0], dn.shape[-1]
         routed = jax.nn.one_hot(idx, e, dtype=jnp.float32).sum(axis=1)  # [N, E]
@@ -44,7 +54,6 @@ class _CaptureExperts(nnx.Module):
 
         self.sow(nnx.Intermediate, "sq_down", jax.lax.map(down_input, jnp.arange(e)))  # [E, I]
         self.sow(nnx.Intermediate, "count", routed.sum(axis=0))
-        return self.inner(x, idx, weights)
 
 
 def _parent(module, path):
