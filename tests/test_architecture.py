@@ -32,8 +32,9 @@ ROOMS = {
     "serving": {"runtime", "model", "multimodal", "tokenizer", "kernels", "validation", "program_cache"},
     "evaluation": {"runtime", "checkpoint", "model", "tokenizer", "validation", "init"},
     "builtin": {"evaluation", "runtime", "checkpoint", "model", "tokenizer", "validation"},
-    "cli": {"autoround", "builtin", "checkpoint", "convert", "evaluation", "model", "multimodal", "runtime", "serving",
-            "tokenizer", "validation", "xla_env", "program_cache", "init"},
+    "research": {"model", "kernels"},
+    "cli": {"autoround", "builtin", "checkpoint", "convert", "evaluation", "model", "multimodal", "research", "runtime",
+            "serving", "tokenizer", "validation", "xla_env", "program_cache", "init"},
     "init": {"xla_env", "multimodal"},  # qjax/__init__.py: its public names are imported on first use
 }
 # third-party packages that are optional (test extras or a command's own extra): imported where they are used

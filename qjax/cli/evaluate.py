@@ -1,5 +1,5 @@
 """``qjax eval ppl``, ``qjax eval fidelity`` and ``qjax compare``: flags → :mod:`qjax.evaluation.evaluate` /
-:mod:`qjax.evaluation.compare`.
+:mod:`qjax.evaluation.compare` (``qjax compare --routing``: :mod:`qjax.research.routing`).
 
 Bad input (a missing file, empty data, a text of fewer than 2 tokens, a folder without tokenizer files, models with
 different vocabularies) ends in one ``error: ...`` line on stderr and exit status 2 (``qjax.cli.main`` prints the
@@ -38,7 +38,14 @@ COMPARE_HELP = (
     "both sides — and qjax; error of the embeddings, each decoder block's output, the final norm and the logits. The "
     "transformers side needs float32 host memory for the whole model. --dtype float64 adds the ground truth: both "
     "in float64 (transformers' float32 pins promoted), then each implementation's float32 and bfloat16 error "
-    "against it, block by block.")
+    "against it, block by block. --routing --reference REF: the routing of --model against REF instead (no "
+    "transformers): per layer top-k agreement, router KL, expert load, routing-weight and shared-gate drift, end to "
+    "end and isolated (the model's router on REF's hidden states); exit status 1 when a layer is flagged.")
+# ``qjax compare --routing`` defaults, stated here without importing JAX (qjax.research.routing checks they agree)
+ROUTING_MIN_AGREEMENT = 0.99
+ROUTING_MAX_ROUTER_KL = 1e-4
+ROUTING_SEQLEN = 256
+ROUTING_MAX_TOKENS = 4096
 
 
 def _dtype(name):
@@ -87,6 +94,12 @@ def cmd_compare(a) -> int:
     from qjax.model.config import TextConfig
 
     model = a.model or default_model_dir()
+    if a.routing:
+        return cmd_routing(a, model)
+    for flag, value in (("--reference", a.reference), ("--data", a.data), ("--min-agreement", a.min_agreement),
+                        ("--max-router-kl", a.max_router_kl)):
+        if value is not None:
+            raise CompareError(f"{flag} applies to --routing only")
     given = [n for n, v in (("--prompt", a.prompt), ("--ids", a.ids), ("--seqlen", a.seqlen)) if v is not None]
     if len(given) > 1:
         raise CompareError(f"give one input: --prompt, --ids or --seqlen (got {' and '.join(given)})")
@@ -110,8 +123,76 @@ def cmd_compare(a) -> int:
         report = compare_truth(model, ids, quiet=a.quiet)
     else:
         report = compare_folder(model, ids, dtype=a.dtype, quiet=a.quiet)
-    _emit(report, a, tol=a.tol)
+    _emit_to(report, a.json, tol=a.tol)
     return 0
+
+
+def _emit_to(report, json_to: str | None, **kw) -> None:
+    """``--json`` alone: the report as JSON on stdout; ``--json FILE``: the table on stdout, the JSON in FILE."""
+    if json_to == "-":
+        print(json.dumps(report.to_dict(**kw), indent=1))
+        return
+    print(report.format(**kw))
+    if json_to is not None:
+        with open(json_to, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(**kw), f, indent=1)
+
+
+def _routing_ids(a, model: str, reference: str) -> np.ndarray:
+    """``[B, seqlen]`` token ids: --ids / --prompt as one row; --data (or the reference's heldout.txt when neither is
+    given) tokenized by the reference's tokenizer, in rows of --seqlen, at most --max-tokens; else seeded random ids."""
+    from qjax.evaluation.compare import CompareError
+    from qjax.evaluation.evaluate import load_tokenizer, read_texts, tokenize_texts
+    from qjax.model.config import TextConfig
+
+    given = [n for n, v in (("--prompt", a.prompt), ("--ids", a.ids), ("--data", a.data)) if v is not None]
+    if len(given) > 1:
+        raise CompareError(f"give one input: --prompt, --ids or --data (got {' and '.join(given)})")
+    seqlen = ROUTING_SEQLEN if a.seqlen is None else a.seqlen
+    if seqlen < 1 or a.max_tokens < 1:
+        raise CompareError(f"--seqlen and --max-tokens must be ≥ 1 (got {seqlen} and {a.max_tokens})")
+    if a.ids is not None:
+        try:
+            return np.array([[int(x) for x in a.ids.replace(",", " ").split()]], np.int64)
+        except ValueError:
+            raise CompareError(f"--ids {a.ids!r}: expected integers separated by spaces or commas") from None
+    if a.prompt is not None:
+        return np.array([load_tokenizer(reference, "--reference").encode(a.prompt)], np.int64)
+    data = a.data
+    if data is None and a.seqlen is None and os.path.isfile(os.path.join(reference, "heldout.txt")):
+        data = os.path.join(reference, "heldout.txt")
+    if data is None:
+        vocab = TextConfig.from_file(reference).vocab_size
+        rows = max(1, a.max_tokens // seqlen)
+        return np.random.default_rng(a.seed).integers(0, vocab, (rows, seqlen))
+    tokens = tokenize_texts(read_texts(data), load_tokenizer(reference, "--reference"))[:a.max_tokens]
+    if tokens.size < seqlen:
+        return tokens[None].astype(np.int64)
+    return tokens[: tokens.size // seqlen * seqlen].reshape(-1, seqlen).astype(np.int64)
+
+
+def cmd_routing(a, model: str) -> int:
+    import qjax
+    from qjax.evaluation.compare import CompareError
+    from qjax.evaluation.evaluate import check_same_vocabulary
+    from qjax.research.routing import compare_routing
+
+    if a.reference is None:
+        raise CompareError("--routing compares two checkpoints: give --reference (e.g. the unquantized original)")
+    if a.dtype == "float64":
+        raise CompareError("--routing runs in the checkpoints' dtype, float32 or bfloat16 (not --dtype float64)")
+    check_same_vocabulary(model, a.reference)
+    ids = _routing_ids(a, model, a.reference)
+    if ids.size == 0:
+        raise CompareError("the input has no tokens")
+    ref = qjax.load_model(a.reference, dtype=_dtype(a.dtype), text_only=True)
+    mine = qjax.load_model(model, dtype=ref.dtype, text_only=True)  # the same dtype: rounding is not routing
+    report = compare_routing(mine, ref, ids, batch=a.batch_size,
+                             min_agreement=ROUTING_MIN_AGREEMENT if a.min_agreement is None else a.min_agreement,
+                             max_router_kl=ROUTING_MAX_ROUTER_KL if a.max_router_kl is None else a.max_router_kl,
+                             names=(model, a.reference))
+    _emit_to(report, a.json)
+    return 1 if report.flagged else 0
 
 
 def register(subparsers) -> None:
@@ -157,17 +238,39 @@ def register(subparsers) -> None:
     c.add_argument("--ids", default=None, help="input token ids ('1 2 3')")
     c.add_argument("--seqlen", type=int, default=None,
                    help="without --prompt/--ids: this many seeded random token ids (default 80, which crosses the "
-                        "64-token chunk of the delta rule)")
+                        "64-token chunk of the delta rule). With --routing: tokens per row (default "
+                        f"{ROUTING_SEQLEN}; without --data: rows of seeded random ids up to --max-tokens)")
     c.add_argument("--seed", type=int, default=0, help="seed of the random ids")
-    c.add_argument("--dtype", type=dtype, choices=["float32", "bfloat16", "float64"], default="float32",
+    c.add_argument("--dtype", type=dtype, choices=["float32", "bfloat16", "float64"], default=None,
                    help="float32 / bfloat16: qjax's dtype against transformers in float32 (default float32). float64: "
                         "ground truth — transformers in float64 everywhere is the truth, and qjax and transformers "
-                        "each in float32 and bfloat16 are reported side by side by their distance to it")
+                        "each in float32 and bfloat16 are reported side by side by their distance to it. With "
+                        "--routing: both models' dtype (default: the reference checkpoint's)")
     c.add_argument("--tol", type=float, default=1e-4,
                    help="a block diverges when its max abs error exceeds this fraction of its max |value| "
                         "(default 1e-4)")
-    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="print the report as JSON; with FILE: print the table and write the JSON to FILE")
     c.add_argument("--quiet", action="store_true", help="no loading bars or notices from transformers")
+    r = c.add_argument_group("routing (--routing)")
+    r.add_argument("--routing", action="store_true",
+                   help="compare the routing of --model with --reference's instead of numerics with transformers; "
+                        "exit status 1 when a layer is flagged, 0 otherwise")
+    r.add_argument("--reference", default=None, help="the reference checkpoint (e.g. the unquantized original)")
+    r.add_argument("--data", default=None,
+                   help="text file (.txt, .jsonl, .json) tokenized by the reference's tokenizer (default: the "
+                        "reference's heldout.txt when it has one and --seqlen is not given, else seeded random ids)")
+    r.add_argument("--max-tokens", type=int, default=ROUTING_MAX_TOKENS,
+                   help=f"tokens compared at most (default {ROUTING_MAX_TOKENS})")
+    r.add_argument("--batch-size", type=int, default=8, help="rows per forward call (default 8)")
+    r.add_argument("--min-agreement", type=float, default=None,
+                   help=f"flag a layer whose isolated top-k agreement (the model's router on the reference's hidden "
+                        f"states) is below this (default {ROUTING_MIN_AGREEMENT}: quantization leaves it at exactly "
+                        "1; rounding alone (bfloat16 against float32) kept ≥ 0.9991 on the built-in model, an "
+                        "uncompensated router after AWQ-style smoothing 0.945–0.989; docs/research.md)")
+    r.add_argument("--max-router-kl", type=float, default=None,
+                   help=f"also flag a layer whose isolated router KL exceeds this, nats (default "
+                        f"{ROUTING_MAX_ROUTER_KL:g}: rounding alone ≤ 2.2e-6, the uncompensated router ≥ 6.3e-4)")
     c.set_defaults(func=cmd_compare)
 
 

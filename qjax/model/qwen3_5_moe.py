@@ -34,6 +34,7 @@ from qjax.model.dtypes import check_x64, model_dtype
 from qjax.model.layers import GatedRMSNorm, Linear, RMSNorm, init_normal
 from qjax.model.linears import linear
 from qjax.model.moe import Experts, SparseMoeBlock
+from qjax.model.probe import NO_TAP, Probe, group_inputs, layer_inputs, stack_captures
 from qjax.model.quant_layers import Packed, fake_quant_fp8, quantize_fp8
 from qjax.model.quant_spec import ModelQuant
 from qjax.model.rope import apply_rope, rope_cos_sin
@@ -337,15 +338,17 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = SparseMoeBlock(cfg, dtype=dtype, rngs=rngs, quant=quant)
 
-    def __call__(self, h: jnp.ndarray, ctx: StepContext, state):
+    def __call__(self, h: jnp.ndarray, ctx: StepContext, state, tap=NO_TAP):
+        """``tap``: the layer's :class:`qjax.model.probe.Tap` (captures / patches its sites); NO_TAP changes nothing."""
         # named scopes label the ops in profiles (qjax bench --profile) with the module that issued them
         mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
         with jax.named_scope("linear_attn" if self.layer_type == LINEAR else "self_attn"):
-            out, state = mixer(self.input_layernorm(h), ctx, state)
-        h = h + out
+            out, state = mixer(tap("attn_input", self.input_layernorm(h)), ctx, state)
+        h = h + tap("attn_output", out)
         with jax.named_scope("mlp"):
-            h = h + self.mlp(self.post_attention_layernorm(h), layer=ctx.stack_layer)
-        return h, state
+            x = tap("mlp_input", self.post_attention_layernorm(h))
+            h = h + tap("mlp_output", tap.moe(self.mlp, x, ctx.stack_layer))
+        return tap("hidden_states", h), state
 
 
 class LayerGroup(nnx.Module):
@@ -355,14 +358,21 @@ class LayerGroup(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, kind, dtype=dtype, rngs=rngs, quant=dict(q), kv_fp8=kv_fp8)
                                 for kind, q in specs])
 
-    def __call__(self, h, ctx: StepContext, states, collect: bool = False):
-        new_states, outs = [], []
+    def __call__(self, h, ctx: StepContext, states, collect: bool = False, probe: Probe | None = None, inputs=None):
+        """``probe``, ``inputs``: see :meth:`Qwen3_5MoeForCausalLM.run_layers`; with a probe a fourth output, the
+        group's captures ``{site: [p, …]}``."""
+        new_states, outs, taps = [], [], []
         for i, layer in enumerate(self.layers):
-            h, st = layer(h, ctx, None if states is None else states[i])
+            tap = NO_TAP if probe is None else probe.tap(layer_inputs(inputs, i),
+                                                          ctx.cache_layer * len(self.layers) + i)
+            h, st = layer(h, ctx, None if states is None else states[i], tap)
             new_states.append(st)
             outs.append(h)
+            taps.append(tap)
         new_states = None if states is None else tuple(new_states)
-        return h, new_states, (jnp.stack(outs) if collect else None)
+        if probe is None:
+            return h, new_states, (jnp.stack(outs) if collect else None)
+        return h, new_states, (jnp.stack(outs) if collect else None), stack_captures(taps)
 
 
 class MTP(nnx.Module):
@@ -400,6 +410,7 @@ class ForwardOutput:
     hidden: jnp.ndarray  # [B, T, H] post-final-norm hidden (the MTP head's input)
     cache: Cache | None
     hidden_states: jnp.ndarray | None = None  # [L + 1, B, T, H] when asked for
+    captures: dict | None = None  # {site: [L, B, T, …]} of a probe's captured sites (qjax.model.probe)
 
 
 class Qwen3_5MoeForCausalLM(nnx.Module):
@@ -505,15 +516,20 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
                           write_slot=write_slot, span=span, rows=rows, kv_len=kv_len)
         return ctx, m
 
-    def run_layers(self, h: jnp.ndarray, ctx: StepContext, slots, collect: bool = False):
+    def run_layers(self, h: jnp.ndarray, ctx: StepContext, slots, collect: bool = False, probe: Probe | None = None,
+                   probe_inputs: dict | None = None):
         """Scan the layer groups.
 
         Args:
           slots: the cache's per-group-position states (leading group axis) or None.
           collect: also return every layer's output hidden ``[L, B, T, H]`` (numerics diffs), else None.
+          probe: sites to capture or change (:class:`qjax.model.probe.Probe`, static), or None: the plain program.
+          probe_inputs: the probe's patch values, masks and deltas, ``{"values" | "masks" | "deltas": {site: [L, …]}}``.
         Returns:
-          (h, new slots, per-layer hiddens).
+          (h, new slots, per-layer hiddens), and with a probe the captures ``{site: [L, B, T, …]}``.
         """
+        if probe is not None and self.mesh_plan is not None:
+            raise MeshError("capture and patching run on one device; load the model without a mesh")
         # Scanning over the stacked variables slices every layer's weights out of the stack on every step, and XLA
         # materialises a slice (a copy) before a kernel reads it. Packed weights, the routed experts and the dense
         # projections — nearly all the bytes — stay whole instead: the kernels read layer g inside the [G, …] stack
@@ -538,6 +554,11 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         def body(carry, group_state):
             h, g, slots = carry
             layer_ctx = ctx.replace(cache_layer=g, stack_layer=g if stacked else None)
+            if probe is not None:  # a probed program scans (variables, patch inputs) and returns the captures too
+                group_state, inputs = group_state
+                h, slots, outs, captured = nnx.merge(graphdef, whole, group_state)(h, layer_ctx, slots, collect,
+                                                                                   probe, inputs)
+                return (h, g + 1, slots), (outs, captured)
             if stacked:
                 group = nnx.merge(graphdef, whole, group_state)
                 h, slots, outs = group(h, layer_ctx, slots, collect)
@@ -546,16 +567,20 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
                 h = self.mesh_plan.batch(h)  # the residual stream: rows over data, whole on every tensor device
             return (h, g + 1, slots), outs
 
-        (h, _, new_slots), outs = jax.lax.scan(body, (h, jnp.zeros((), jnp.int32), slots), state)
-        if collect:
-            outs = outs.reshape(-1, *outs.shape[2:])  # [G, p, B, T, H] → layer g·p + j
-        return h, new_slots, outs
+        xs = state if probe is None else (state, group_inputs(probe_inputs, self.num_groups, len(self.layer_kinds)))
+        (h, _, new_slots), outs = jax.lax.scan(body, (h, jnp.zeros((), jnp.int32), slots), xs)
+        flat = lambda a: a.reshape(-1, *a.shape[2:])  # [G, p, …] → layer g·p + j
+        if probe is not None:
+            outs, captured = outs
+            return h, new_slots, (flat(outs) if collect else None), jax.tree.map(flat, captured)
+        return h, new_slots, (flat(outs) if collect else None)
 
     # -- forward ------------------------------------------------------------------------------------------------------
     def forward(self, input_ids, *, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 last_only: bool = False, output_hidden_states: bool = False, cache_rows=None,
                 kv_len: int | None = None, keep_steps: bool = False,
-                image_embeds: jnp.ndarray | None = None) -> ForwardOutput:
+                image_embeds: jnp.ndarray | None = None, probe: Probe | None = None,
+                probe_inputs: dict | None = None) -> ForwardOutput:
         """Traceable forward.
 
         Args:
@@ -580,6 +605,8 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
           keep_steps: a speculative verify call (static): the cache was made with ``spec_tokens = T``; GDN layers keep
             the state after each token so that :meth:`qjax.model.cache.Cache.accept` can keep any prefix.
           image_embeds: ``[N, H]`` features of this call's N image placeholder tokens (:meth:`embed`), or None.
+          probe, probe_inputs: capture or change named sites inside the layers (:mod:`qjax.model.probe`; static
+            probe, one device); the captures come back in ``ForwardOutput.captures``. None: the plain program.
         """
         ctx, m = self.step_context(input_ids, attention_mask, position_ids, cache, cache_rows, kv_len)
         ctx = ctx.replace(keep_steps=keep_steps)
@@ -587,13 +614,18 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         if self.mesh_plan is not None:
             h = self.mesh_plan.batch(h)
         h0 = h
-        h, new_slots, outs = self.run_layers(h, ctx, None if cache is None else cache.slots, output_hidden_states)
+        slots = None if cache is None else cache.slots
+        captures = None
+        if probe is None:
+            h, new_slots, outs = self.run_layers(h, ctx, slots, output_hidden_states)
+        else:
+            h, new_slots, outs, captures = self.run_layers(h, ctx, slots, output_hidden_states, probe, probe_inputs)
         hidden_states = jnp.concatenate([h0[None], outs]) if output_hidden_states else None
         h = self.norm(h)
         with jax.named_scope("lm_head"):
             logits = self.logits_from_hidden(h[:, -1:] if last_only else h)
         new_cache = None if cache is None else _advanced(cache, new_slots, ctx, m, cache_rows, position_ids)
-        return ForwardOutput(logits=logits, hidden=h, cache=new_cache, hidden_states=hidden_states)
+        return ForwardOutput(logits=logits, hidden=h, cache=new_cache, hidden_states=hidden_states, captures=captures)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None) -> jnp.ndarray:
         """Logits ``[B, T, V]`` for ``input_ids [B, T]``; runs one jitted program (compiled once per shape)."""
