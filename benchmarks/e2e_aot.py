@@ -121,19 +121,23 @@ NOTES = """- History of this table: at commit de5439f the scan sliced every stac
   update, readout) on its fp32 state read and written inside the [G, …] state stack, which the scan now carries
   (−66; XLA temp 151 → 92 MB, and 9.1 → 5.1 GB at batch 64). bf16 3,145 → 1,468: its unquantized experts run the
   MoE kernels (`fmt="dense"`) instead of the plain-JAX per-slot loop (8 iterations × 4 kernels per layer).
-  2026-12-07: w2w4 1,350 at HEAD 8b59882 (the same with the step count a constant or an argument); the +42 against
-  1,308 came with the commits since c3e8dc1 (not traced here).
-- What one w2w4 layer still launches (thunk dump of the H200 decode loop, 2026-12-07, after the GDN decode kernel
-  and the routing inside the MoE kernels): a GDN layer 23–24 — RMSNorm 2 (XLA does not fuse the norm's reduction with
-  its scaling), the `in_proj_a` / `in_proj_b` GEMVs 2 and their split-K sums 2, `in_proj_qkv` 1, the GDN decode
-  kernel 1, `in_proj_z` 1, the gated norm 2, `out_proj` 1, residual add + RMSNorm 2, the router GEMV 1 and its
-  split-K sum 1, the shared expert 4 (gate, up, SiLU·up, down) and its 1-row gate 0–1 (XLA fuses it with a
+  2026-12-07: w2w4 1,350 at HEAD 8b59882 (the same with the step count a constant or an argument; the +42 against
+  1,308 came with the commits since c3e8dc1, not traced here), then 1,230 with the fused GDN decode kernel (conv
+  step, SiLU, decay, β and the recurrence in one launch) and 1,080 with the routing inside the MoE kernels (one
+  token: softmax, top-k and the slot's weight computed by every program; XLA's softmax, sort, copy and select
+  between the router and the experts gone: −3 launches per MoE layer and the sort's copies). The H200's Pallas
+  programs rose 56,000 → 66,240 with the measured 8192×2048 GEMV tiles (kernels/tiles.json: bn 16 instead of 32).
+- What one w2w4 layer still launches (thunk dump of the H200 decode loop, 2026-12-07, after the GDN decode
+  kernel and the routing inside the MoE kernels): a GDN layer 23–24 — RMSNorm 2 (XLA does not fuse the norm's
+  reduction with its scaling), the `in_proj_a` / `in_proj_b` GEMVs 2 and their split-K sums 2, `in_proj_qkv` 1, the
+  GDN decode kernel 1, `in_proj_z` 1, the gated norm 2, `out_proj` 1, residual add + RMSNorm 2, the router GEMV 1
+  and its split-K sum 1, the shared expert 4 (gate, up, SiLU·up, down) and its 1-row gate 0–1 (XLA fuses it with a
   neighbour in some layers), the MoE kernels 2, the residual add 1; a full-attention layer ~37 (its q/k/v GEMVs
   and split-K sums, q/k norms and RoPE, the K/V cache writes and the two asynchronous cache-slice copies, the two
-  attention dots, softmax 3, the output gate, `o_proj`, then the same MoE tail). Next candidates, each removing whole launches: the RMSNorm in the next GEMV's prologue (−2 per norm), the
-  split-K partials summed by the consuming kernel (GDN decode, MoE: −3 per GDN layer), a decode-attention kernel
-  reading K/V in place (−6 or more per attention layer, and no cache-slice copies), the shared expert beside the
-  routed experts.
+  attention dots, softmax 3, the output gate, `o_proj`, then the same MoE tail). Next candidates, each removing
+  whole launches: the RMSNorm in the next GEMV's prologue (−2 per norm), the split-K partials summed by the
+  consuming kernel (GDN decode, MoE: −3 per GDN layer), a decode-attention kernel reading K/V in place (−6 or more
+  per attention layer, and no cache-slice copies), the shared expert beside the routed experts.
 - The copied-bytes count is parsed from the optimised HLO (dynamic slices of [G, …] operands in the computations
   that launch kernels, not inside fused computations) and is a compile-time estimate: XLA may overlap the copies
   with compute, but every byte is still read and written once per step.
