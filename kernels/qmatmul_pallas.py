@@ -72,6 +72,11 @@ __all__ = ["KernelConfig", "choose_config", "dense_meta", "lowering_cases", "mat
 _CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
 
 NUM_SMS = 132  # H200
+# A GEMV whose whole weight is at most this many bytes is not split along K: the split's second pass (XLA's sum of
+# the fp32 partials) is one more launch, and at batch-1 decode a launch (~1–2 µs in a CUDA graph) costs as much as
+# streaming 64 KiB through the one wave of programs the split would add (the GDN layers' 32-row in_proj_a / in_proj_b:
+# 32 KiB of INT4; −2 launches per GDN layer). A measured tile (kernels/tiles.json) overrides it.
+SPLIT_MIN_BYTES = 64 * 1024
 SMEM_BUDGET = 160 * 1024  # stay well under the 232,448 B opt-in limit per block
 GEMV_MAX_M = 16
 _DOT_MIN = 16  # tensor-core dot: every dim ≥ 16
@@ -166,7 +171,8 @@ def choose_config(m: int, n: int, k: int, meta: QuantMeta, x_dtype=jnp.bfloat16,
 
     GEMV (``M ≤ 16``): ``bk`` makes each row's chunk of packed weights 128 B where K allows (int2 512, int4 256,
     int8 / fp8 128 values) and ``bn = 8192 / bk`` keeps the dequantized ``[bn, bk]`` tile at 8K elements for 4 warps;
-    split-K brings the grid to about one wave (132 SMs) when ``N / bn`` is smaller.
+    split-K brings the grid to about one wave (132 SMs) when ``N / bn`` is smaller, unless the whole weight is at most
+    :data:`SPLIT_MIN_BYTES` (its second pass would cost more than it saves).
     GEMM: ``bm ≤ 128``, ``bn ≤ 128``, ``bk`` 128 (≤ 4-bit) or 64 (8-bit), 3 stages; tiles shrink to 64 and then
     K is split (≤ 4) while the grid is below one wave; stages / ``bk`` shrink if the shared-memory estimate
     exceeds :data:`SMEM_BUDGET`.
@@ -183,7 +189,8 @@ def choose_config(m: int, n: int, k: int, meta: QuantMeta, x_dtype=jnp.bfloat16,
         bk = min(kp2, max(64, 1024 // bits))
         bn = max(_DOT_MIN, min(_pow2_ceil(n), 8192 // bk))
         nblocks = _cdiv(n, bn)
-        split = _max_split(k, bk, group, NUM_SMS // nblocks) if nblocks < NUM_SMS else 1
+        small = n * k * bits // 8 <= SPLIT_MIN_BYTES
+        split = _max_split(k, bk, group, NUM_SMS // nblocks) if nblocks < NUM_SMS and not small else 1
         return KernelConfig("gemv", _DOT_MIN, bn, bk, split, num_warps=4, num_stages=3)
     bm = min(128, max(_DOT_MIN, _pow2_ceil(m)))
     bn = min(128, max(_DOT_MIN, _pow2_ceil(n)))

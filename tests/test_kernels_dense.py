@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from h200_util import TRITON_TARGET, lower_for_h200, pallas_grids
+from qjax.kernels import qmatmul_pallas as qp
 from qjax.kernels import qmatmul_reference as reference
 from qjax.kernels.qmatmul_pallas import KernelConfig, choose_config, lowering_cases, qmatmul_pallas
 from qjax.kernels.quant_meta import QuantMeta, dense_meta
@@ -317,6 +318,10 @@ def test_config_choice():
     assert big.split_k == 1
     small = choose_config(1, 512, 2048, make_meta("int", 4, 128, 2048, 512))
     assert small.split_k > 1 and 2048 % (small.split_k * small.bk) == 0
+    # a weight of ≤ 64 KiB (the GDN layers' 32-row in_proj_a / in_proj_b) is not split: no second launch
+    tiny = choose_config(1, 32, 2048, make_meta("int", 4, 128, 2048, 32))
+    assert tiny.split_k == 1 and qp.SPLIT_MIN_BYTES == 64 * 1024
+    assert choose_config(1, 64, 2048, make_meta("int", 8, 128, 2048, 64)).split_k > 1  # 128 KiB: split
     for m in (1, 8, 64, 512):
         c = choose_config(m, 200, 160, make_meta("mxfp8", k=160, n=200))
         assert all(v & (v - 1) == 0 for v in (c.bm, c.bn, c.bk, c.split_k))
