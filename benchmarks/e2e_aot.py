@@ -408,6 +408,13 @@ GRAPH_FINDINGS = """Reading it (deviceless facts, jax 0.11.2; each from a dump o
   it cannot for a loop of unknown trip count (log: "WhileThunk is not convertible to command buffers because its
   body contains loop-dependent DynamicSliceFusionV2Thunk"). `unrolled` (the layer loop unrolled in the HLO: static
   slice offsets) lets the whole decode loop into one graph: 0 host ops, 0 round trips per step, both chips.
+  Without unrolling the same happens when nothing reads the cache by a bare slice: mxfp8-experts (its FP8 KV cache
+  is dequantized by an ordinary fusion, which reads the layer inside the stack) compiles in `graphs` mode to the
+  whole decode loop in one graph — 0 host ops, 0 round trips per step, H200, 34 s of compile against 31–62 s
+  unrolled (`--recipes mxfp8-experts --graph-recipes mxfp8-experts --modes graphs,off --targets h200`, 2026-12-07).
+  So a decode-attention kernel that reads the BF16 K/V layer in place (the layer offset in the pointer, as the
+  other kernels do) would give every recipe one graph per decode loop in `graphs` mode, and remove the two copies
+  and ~6 launches per attention layer.
 - Minimum graph size: XLA counts a while loop as one command, so with the default 5 a loop alone is never captured
   (log: "kWhile is not lowered to command buffer because command size is less than the min graph size"); the
   graph modes set 1.
