@@ -65,7 +65,9 @@ def quantized_model_view(ar, ckpt: Checkpoint):
     (the source, open while it is written) only when written."""
     prefix = text_prefix(ckpt.keys())
     read = functools.lru_cache(maxsize=1)(lambda i: prog.read_results(ar.progress_dir, i))
-    qc, entries, quantized = quantized_entries(ar, read, prefix)
+    # text keys under model. (the quantization config names modules so); the writers put them back under the
+    # source's prefix (model.language_model. in a composite folder)
+    qc, entries, quantized = quantized_entries(ar, read)
     merged = _source_entries(ckpt, prefix, quantized, ar.source.dtype)
     merged.update(entries)
     qmodel = deferred_model(ar.mcfg, qc, MemoryCheckpoint(ckpt.folder, merged), ar.source.dtype)
@@ -74,8 +76,9 @@ def quantized_model_view(ar, ckpt: Checkpoint):
 
 
 def _source_entries(ckpt: Checkpoint, prefix: str, quantized: set[str], dtype) -> dict[str, tuple]:
-    """The source's tensors the export takes as stored (key → (shape, dtype, get)): all but the quantized modules'
-    weights; fused routed experts of a layer with quantized experts are given per expert."""
+    """The source's tensors the export takes as stored (key → (shape, dtype, get)), text keys under ``model.``: all
+    but the quantized modules' weights; fused routed experts of a layer with quantized experts are given per
+    expert."""
 
     def own(key: str) -> str:  # the model.-relative module name the quantized set holds
         return "model." + key[len(prefix):] if key.startswith(prefix) else key
@@ -99,7 +102,7 @@ def _source_entries(ckpt: Checkpoint, prefix: str, quantized: set[str], dtype) -
             continue
         if key.endswith(".weight") and own(key[: -len(".weight")]) in quantized:
             continue
-        out[key] = (shape, dtype_, functools.partial(checked, key))
+        out[own(key)] = (shape, dtype_, functools.partial(checked, key))
     return out
 
 
@@ -120,6 +123,6 @@ def _per_expert(key: str, stem: str, which: str, shape: tuple, dtype: str, own, 
         if own(stem) + f"mlp.experts.0.{proj}" in quantized:
             continue
         for e in range(e_count):
-            out[f"{stem}mlp.experts.{e}.{proj}.weight"] = (rows, dtype, lambda e=e, sl=sl: full()[e, sl])
+            out[f"{own(stem)}mlp.experts.{e}.{proj}.weight"] = (rows, dtype, lambda e=e, sl=sl: full()[e, sl])
     return out
 
