@@ -96,3 +96,21 @@ def test_packed_int4_model_captures_every_site(tiny_hf):
     out = jax.jit(lambda ids: probed_forward(q, ids, Probe(capture=("router_logits",))).sites)(ids)
     same = capture(q, ids, ("router_logits",)).sites["router_logits"]
     np.testing.assert_array_equal(np.asarray(out["router_logits"]), np.asarray(same))
+
+
+def test_mtp_head_states():
+    """The MTP head's decoder layer captures the same sites, [L_mtp, B, T-1, …], beside its logits and output."""
+    from flax import nnx
+    from oracles.hf import tiny_text_config
+
+    from qjax.model.config import TextConfig
+    from qjax.research.capture import capture_mtp
+
+    model = qjax.init_model(TextConfig.from_dict(tiny_text_config(), source="test"), with_mtp=True)
+    ids = np.random.default_rng(8).integers(0, 512, (2, 9))
+    cap = capture_mtp(model, ids, ("hidden_states", "router_logits"))
+    assert cap.sites["hidden_states"].shape == (1, 2, 8, 64) and cap.sites["router_logits"].shape == (1, 2, 8, 8)
+    graphdef, state = nnx.split(model)
+    want = jax.jit(lambda s, x: nnx.merge(graphdef, s).mtp_logits(x))(state, ids)
+    np.testing.assert_array_equal(np.asarray(cap.logits), np.asarray(want))
+    assert cap.hidden.shape == (2, 8, 64)

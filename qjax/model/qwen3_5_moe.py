@@ -392,16 +392,19 @@ class MTP(nnx.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, next_embeds: jnp.ndarray, hidden: jnp.ndarray, ctx: StepContext,
-                 kv: KVState | None = None) -> tuple[jnp.ndarray, KVState | None]:
+                 kv: KVState | None = None, probe: Probe | None = None):
         """``next_embeds``, ``hidden``: ``[B, T, H]`` → (the ``mtp.norm``-ed hidden ``[B, T, H]``, updated K/V).
 
         ``kv``: the head's own K/V cache, ``[L_mtp, B, Hkv, S, D]`` (layer i of the head is entry i; ``ctx`` comes
-        from :meth:`Qwen3_5MoeForCausalLM.step_context` on a cache holding it), or None (no cache)."""
+        from :meth:`Qwen3_5MoeForCausalLM.step_context` on a cache holding it), or None (no cache). ``probe``: also
+        return the head's layers' captured sites ``{site: [L_mtp, B, T, …]}`` (:mod:`qjax.model.probe`)."""
         y = jnp.concatenate([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
         y = self.fc(y)
+        taps = []
         for i, layer in enumerate(self.layers):
-            y, kv = layer(y, ctx.replace(cache_layer=jnp.int32(i), stack_layer=None), kv)
-        return self.norm(y), kv
+            taps.append(NO_TAP if probe is None else probe.tap(None, jnp.int32(i)))
+            y, kv = layer(y, ctx.replace(cache_layer=jnp.int32(i), stack_layer=None), kv, taps[-1])
+        return (self.norm(y), kv) if probe is None else (self.norm(y), kv, stack_captures(taps))
 
 
 @struct.dataclass
@@ -662,10 +665,11 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         y, kv = self.mtp(self.embed(next_ids), hidden, ctx, cache.slots[0])
         return (self.logits_from_hidden(y) if logits else None), y, _advanced(cache, (kv,), ctx, m, cache_rows)
 
-    def mtp_logits(self, input_ids, hidden: jnp.ndarray | None = None) -> jnp.ndarray:
+    def mtp_logits(self, input_ids, hidden: jnp.ndarray | None = None, probe: Probe | None = None):
         """Next-next-token logits from the MTP head, ``[B, T-1, V]``: row t predicts token t+2 from (h_t, token t+1).
 
-        ``hidden`` is the post-final-norm hidden of the main model (computed when not given).
+        ``hidden`` is the post-final-norm hidden of the main model (computed when not given). ``probe``: (logits,
+        the head's output hidden ``[B, T-1, H]``, its layers' captures ``{site: [L_mtp, B, T-1, …]}``) instead.
         """
         if self.mtp is None:
             raise ValueError("this model has no MTP head (the checkpoint has no mtp.* weights)")
@@ -677,6 +681,9 @@ class Qwen3_5MoeForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(self.config, positions, self.dtype)
         ctx = StepContext(cos=cos, sin=sin, token_mask=None, key_valid=jnp.ones((b, t - 1), bool),
                           query_slot=jnp.arange(t - 1, dtype=jnp.int32)[None])
+        if probe is not None:
+            y, _, captured = self.mtp(self.embed(input_ids[:, 1:]), hidden[:, :-1], ctx, probe=probe)
+            return self.logits_from_hidden(y), y, captured
         y, _ = self.mtp(self.embed(input_ids[:, 1:]), hidden[:, :-1], ctx)
         return self.logits_from_hidden(y)
 

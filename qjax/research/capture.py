@@ -11,18 +11,19 @@ callbacks: the captures are outputs of the layer scan. Site names and shapes: :d
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from qjax.model.probe import SITES, Probe
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Capture:
+    """A probed forward's outputs (a pytree: it can leave a ``jax.jit``)."""
+
     logits: jnp.ndarray  # [B, T, V] (accumulation dtype)
     hidden: jnp.ndarray  # [B, T, H] the final norm's output
     sites: dict  # {site: [L, B, T, …]}
@@ -67,4 +68,25 @@ def capture(model, input_ids, sites=("hidden_states", "router_logits"), attentio
     return run(model, input_ids, Probe(capture=tuple(sites)), attention_mask=attention_mask)
 
 
-__all__ = ["SITES", "Capture", "Probe", "capture", "probed_forward", "run"]
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jit_mtp(graphdef, probe, state, input_ids):
+    model = nnx.merge(graphdef, state)
+    hidden = model.forward(input_ids).hidden
+    return model.mtp_logits(input_ids, hidden, probe=probe)
+
+
+def capture_mtp(model, input_ids, sites=("hidden_states", "router_logits")) -> Capture:
+    """The MTP head's states on ``input_ids [B, T]`` (teacher-forced, as :meth:`mtp_logits` runs it): ``logits``
+    ``[B, T-1, V]`` (row t predicts token t+2), ``hidden`` the head's output after ``mtp.norm`` ``[B, T-1, H]``, and
+    ``sites`` of its decoder layer(s) ``[L_mtp, B, T-1, …]`` (capture only: the head takes no patches)."""
+    if model.mtp is None:
+        raise ValueError("this model has no MTP head (the checkpoint has no mtp.* weights)")
+    if isinstance(sites, str):
+        sites = (sites,)
+    graphdef, state = nnx.split(model)
+    ids = jnp.asarray(input_ids, jnp.int32)
+    logits, hidden, captured = _jit_mtp(graphdef, Probe(capture=tuple(sites)), state, ids if ids.ndim == 2 else ids[None])
+    return Capture(logits=logits, hidden=hidden, sites=captured)
+
+
+__all__ = ["SITES", "Capture", "Probe", "capture", "capture_mtp", "probed_forward", "run"]
