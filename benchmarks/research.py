@@ -48,7 +48,8 @@ W2W4 = "experts=int2:g64,rest=int4:g64"  # seed 000's recipe with the 4-bit grou
 def _tokens(name: str, n: int) -> np.ndarray:
     d = default_model_dir()
     toks = tokenize_texts(read_texts(f"{d}/{name}"), load_tokenizer(d))
-    return toks[: n // 256 * 256].reshape(-1, 256)
+    n = min(n, toks.size) // 256 * 256
+    return toks[:n].reshape(-1, 256)
 
 
 def routing(ids) -> None:

@@ -57,8 +57,8 @@ def test_float64_captures_equal_transformers_float64(tiny_hf, tiny_truth, x64):
 
 
 def test_packed_int4_model_captures_every_site(tiny_hf):
-    """Every site of a packed model (experts and projections INT4 g32): stacked [L, B, T, …], inside one jitted
-    program; the captures do not change the logits (nothing patched), and the same sites as the float model's."""
+    """Every site of a packed model (experts and projections INT4 g32), stacked [L, B, T, …], from one jitted
+    program; nothing patched, the logits are the plain forward's."""
     from qjax.autoround.rtn import quantize_model
 
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
@@ -77,25 +77,15 @@ def test_packed_int4_model_captures_every_site(tiny_hf):
     for s in sites:
         assert cap.sites[s].shape == want.get(s, (*lead, cfg.hidden_size)), s
         assert np.isfinite(np.asarray(cap.sites[s], np.float64)).all(), s
-    plain = np.asarray(q(ids))
     # capturing a site can change how XLA fuses the ops around it (an FMA contracted or not): float32 rounding only
-    np.testing.assert_allclose(np.asarray(cap.logits), plain, rtol=0, atol=1e-5)
-    # the routing sites and the residual stream leave the program as it was: the same logits bit for bit
-    routing = capture(q, ids, ("hidden_states", "router_logits", "expert_indices", "expert_weights",
-                               "shared_expert_gate"))
-    np.testing.assert_array_equal(np.asarray(routing.logits), plain)
+    # (the routing sites and the residual stream alone leave the logits bit for bit: tests/test_patch.py)
+    np.testing.assert_allclose(np.asarray(cap.logits), np.asarray(q(ids)), rtol=0, atol=1e-5)
     w = np.asarray(cap.sites["expert_weights"], np.float64)
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)  # renormalised top-k weights
     # the residual stream is the sum of the blocks' contributions
     h = np.asarray(cap.sites["hidden_states"])
     mid = h[:-1] + np.asarray(cap.sites["attn_output"])[1:]
     np.testing.assert_allclose(h[1:], mid + np.asarray(cap.sites["mlp_output"])[1:], rtol=0, atol=1e-5)
-    # the whole capture is traceable inside a user's own jit
-    from qjax.research.capture import Probe, probed_forward
-
-    out = jax.jit(lambda ids: probed_forward(q, ids, Probe(capture=("router_logits",))).sites)(ids)
-    same = capture(q, ids, ("router_logits",)).sites["router_logits"]
-    np.testing.assert_array_equal(np.asarray(out["router_logits"]), np.asarray(same))
 
 
 def test_mtp_head_states():

@@ -40,7 +40,9 @@ COMPARE_HELP = (
     "in float64 (transformers' float32 pins promoted), then each implementation's float32 and bfloat16 error "
     "against it, block by block. --routing --reference REF: the routing of --model against REF instead (no "
     "transformers): per layer top-k agreement, router KL, expert load, routing-weight and shared-gate drift, end to "
-    "end and isolated (the model's router on REF's hidden states); exit status 1 when a layer is flagged.")
+    "end and isolated (the model's router on REF's hidden states); exit status 1 when a layer is flagged. --damage "
+    "--reference REF: each block's share of KL(REF ‖ model) by patching, ranked, with a --layer_config suggestion. "
+    "--lens [--reference REF]: the logit lens per layer.")
 # ``qjax compare --routing`` defaults, stated here without importing JAX (qjax.research.routing checks they agree)
 ROUTING_MIN_AGREEMENT = 0.99
 ROUTING_MAX_ROUTER_KL = 1e-4
@@ -94,12 +96,15 @@ def cmd_compare(a) -> int:
     from qjax.model.config import TextConfig
 
     model = a.model or default_model_dir()
-    if a.routing:
-        return cmd_routing(a, model)
+    modes = [f for f, on in (("--routing", a.routing), ("--damage", a.damage), ("--lens", a.lens)) if on]
+    if len(modes) > 1:
+        raise CompareError(f"give one of --routing, --damage, --lens (got {' and '.join(modes)})")
+    if modes:
+        return cmd_research(a, model, modes[0])
     for flag, value in (("--reference", a.reference), ("--data", a.data), ("--min-agreement", a.min_agreement),
                         ("--max-router-kl", a.max_router_kl)):
         if value is not None:
-            raise CompareError(f"{flag} applies to --routing only")
+            raise CompareError(f"{flag} applies to --routing, --damage and --lens only")
     given = [n for n, v in (("--prompt", a.prompt), ("--ids", a.ids), ("--seqlen", a.seqlen)) if v is not None]
     if len(given) > 1:
         raise CompareError(f"give one input: --prompt, --ids or --seqlen (got {' and '.join(given)})")
@@ -171,26 +176,44 @@ def _routing_ids(a, model: str, reference: str) -> np.ndarray:
     return tokens[: tokens.size // seqlen * seqlen].reshape(-1, seqlen).astype(np.int64)
 
 
-def cmd_routing(a, model: str) -> int:
+def cmd_research(a, model: str, mode: str) -> int:
+    """``--routing`` / ``--damage`` / ``--lens``: :mod:`qjax.research` on two checkpoints (one for ``--lens``)."""
     import qjax
     from qjax.evaluation.compare import CompareError
     from qjax.evaluation.evaluate import check_same_vocabulary
-    from qjax.research.routing import compare_routing
 
-    if a.reference is None:
-        raise CompareError("--routing compares two checkpoints: give --reference (e.g. the unquantized original)")
+    if a.reference is None and mode != "--lens":
+        raise CompareError(f"{mode} compares two checkpoints: give --reference (e.g. the unquantized original)")
     if a.dtype == "float64":
-        raise CompareError("--routing runs in the checkpoints' dtype, float32 or bfloat16 (not --dtype float64)")
-    check_same_vocabulary(model, a.reference)
-    ids = _routing_ids(a, model, a.reference)
+        raise CompareError(f"{mode} runs in the checkpoints' dtype, float32 or bfloat16 (not --dtype float64)")
+    reference = a.reference or model
+    if a.reference is not None:
+        check_same_vocabulary(model, a.reference)
+    ids = _routing_ids(a, model, reference)
     if ids.size == 0:
         raise CompareError("the input has no tokens")
-    ref = qjax.load_model(a.reference, dtype=_dtype(a.dtype), text_only=True)
-    mine = qjax.load_model(model, dtype=ref.dtype, text_only=True)  # the same dtype: rounding is not routing
+    ref = qjax.load_model(reference, dtype=_dtype(a.dtype), text_only=True)
+    # the same dtype for both: rounding is not what is measured
+    mine = ref if a.reference is None else qjax.load_model(model, dtype=ref.dtype, text_only=True)
+    names = (model, reference)
+    if mode == "--lens":
+        from qjax.research.lens import logit_lens
+
+        _emit_to(logit_lens(mine, ids, None if a.reference is None else ref, batch=a.batch_size, names=names), a.json)
+        return 0
+    if mode == "--damage":
+        from qjax.research.damage import block_damage
+
+        report = block_damage(mine, ref, ids, batch=a.batch_size, names=names)
+        kw = dict(bits=a.suggest_bits, group_size=a.suggest_group_size, top=a.suggest_top)
+        _emit_to(report, a.json, **kw)
+        return 0
+    from qjax.research.routing import compare_routing
+
     report = compare_routing(mine, ref, ids, batch=a.batch_size,
                              min_agreement=ROUTING_MIN_AGREEMENT if a.min_agreement is None else a.min_agreement,
                              max_router_kl=ROUTING_MAX_ROUTER_KL if a.max_router_kl is None else a.max_router_kl,
-                             names=(model, a.reference))
+                             names=names)
     _emit_to(report, a.json)
     return 1 if report.flagged else 0
 
@@ -252,10 +275,17 @@ def register(subparsers) -> None:
     c.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="print the report as JSON; with FILE: print the table and write the JSON to FILE")
     c.add_argument("--quiet", action="store_true", help="no loading bars or notices from transformers")
-    r = c.add_argument_group("routing (--routing)")
+    r = c.add_argument_group("research instruments (--routing, --damage, --lens; docs/research.md)")
     r.add_argument("--routing", action="store_true",
                    help="compare the routing of --model with --reference's instead of numerics with transformers; "
                         "exit status 1 when a layer is flagged, 0 otherwise")
+    r.add_argument("--damage", action="store_true",
+                   help="rank --model's blocks (a quantized build of --reference) by their share of KL(reference ‖ "
+                        "model), measured by patching each block of the reference in (and the reverse); prints a "
+                        "--layer_config suggestion for qjax quantize")
+    r.add_argument("--lens", action="store_true",
+                   help="logit lens: each layer's residual stream through the final norm and lm_head (with "
+                        "--reference: also the KL between the two models' lenses, layer by layer)")
     r.add_argument("--reference", default=None, help="the reference checkpoint (e.g. the unquantized original)")
     r.add_argument("--data", default=None,
                    help="text file (.txt, .jsonl, .json) tokenized by the reference's tokenizer (default: the "
@@ -271,6 +301,10 @@ def register(subparsers) -> None:
     r.add_argument("--max-router-kl", type=float, default=None,
                    help=f"also flag a layer whose isolated router KL exceeds this, nats (default "
                         f"{ROUTING_MAX_ROUTER_KL:g}: rounding alone ≤ 2.2e-6, the uncompensated router ≥ 6.3e-4)")
+    r.add_argument("--suggest-top", type=int, default=2, help="--damage: blocks the suggestion promotes (default 2)")
+    r.add_argument("--suggest-bits", type=int, default=4, help="--damage: their experts' bits (default 4)")
+    r.add_argument("--suggest-group-size", type=int, default=128,
+                   help="--damage: their group size (default 128)")
     c.set_defaults(func=cmd_compare)
 
 
