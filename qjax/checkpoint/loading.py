@@ -407,12 +407,16 @@ class _Deferred:
     def __init__(self, ckpt: CheckpointView, leaf, regions: list[tuple[str, Target]], last: dict):
         self.ckpt, self.shape, self.dtype = ckpt, tuple(leaf.shape), np.dtype(leaf.dtype)
         self.ndim = len(self.shape)
-        self.regions, self.last = regions, last
+        self.last = last
+        # each stored tensor's region of the variable: a writer usually asks for exactly one (a dict lookup; a
+        # layer's stacked experts have thousands), else for a part of one (the experts of a fused tensor)
+        self.regions = [(key, t, tuple(_bounds(t.index(self.ndim), self.shape))) for key, t in regions]
+        self.exact = {have: (key, t, have) for key, t, have in self.regions}
 
     def __getitem__(self, index) -> np.ndarray:
-        want = _bounds(index, self.shape)
-        for key, t in self.regions:
-            have = _bounds(t.index(self.ndim), self.shape)
+        want = tuple(_bounds(index, self.shape))
+        found = [self.exact[want]] if want in self.exact else self.regions
+        for key, t, have in found:
             if all(h0 <= w0 and w1 <= h1 for (w0, w1), (h0, h1) in zip(want, have)):
                 if self.last.get("key") != key:
                     self.last.clear()
