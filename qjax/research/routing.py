@@ -106,7 +106,7 @@ class RoutingReport:
                  f"(top-{self.top_k} of {self.num_experts} experts)",
                  "isolated: the model's norm + router on the reference's residual stream; end to end: each model on "
                  "its own",
-                 f"{'':23s} {'--- isolated ---':>20s} {'------------------------ end to end ------------------------':>61s}",
+                 f"{'':23s} {' isolated ':-^20s} {' end to end ':-^64s}",
                  f"{'layer':>5s} {'type':17s} {'agreement':>9s} {'router KL':>10s} {'agreement':>9s} {'router KL':>10s} "
                  f"{'weight drift':>12s} {'gate drift':>10s} {'load shift':>10s} {'max load':>8s}  flag"]
         for r in self.layers:
