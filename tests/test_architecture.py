@@ -39,7 +39,8 @@ ROOMS = {
 }
 # third-party packages that are optional (test extras or a command's own extra): imported where they are used
 OPTIONAL = {"torch", "transformers", "lm_eval", "compressed_tensors", "auto_round", "uvicorn",
-            "PIL"}  # Pillow: a dependency, imported in a try so that a machine without it still loads models
+            "PIL",  # Pillow: a dependency, imported in a try so that a machine without it still loads models
+            "matplotlib"}  # the plot extra (qjax compare --plot)
 
 
 def _modules() -> dict[str, str]:

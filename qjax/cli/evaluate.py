@@ -186,6 +186,11 @@ def cmd_research(a, model: str, mode: str) -> int:
         raise CompareError(f"{mode} compares two checkpoints: give --reference (e.g. the unquantized original)")
     if a.dtype == "float64":
         raise CompareError(f"{mode} runs in the checkpoints' dtype, float32 or bfloat16 (not --dtype float64)")
+    if a.plot is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # said before the models run, not after
+            raise CompareError("--plot needs matplotlib (pip install 'qjax[plot]' or pip install matplotlib)")
     reference = a.reference or model
     if a.reference is not None:
         check_same_vocabulary(model, a.reference)
@@ -196,26 +201,30 @@ def cmd_research(a, model: str, mode: str) -> int:
     # the same dtype for both: rounding is not what is measured
     mine = ref if a.reference is None else qjax.load_model(model, dtype=ref.dtype, text_only=True)
     names = (model, reference)
+    kw = {}
     if mode == "--lens":
         from qjax.research.lens import logit_lens
 
-        _emit_to(logit_lens(mine, ids, None if a.reference is None else ref, batch=a.batch_size, names=names), a.json)
-        return 0
-    if mode == "--damage":
+        report = logit_lens(mine, ids, None if a.reference is None else ref, batch=a.batch_size, names=names)
+    elif mode == "--damage":
         from qjax.research.damage import block_damage
 
         report = block_damage(mine, ref, ids, batch=a.batch_size, names=names)
         kw = dict(bits=a.suggest_bits, group_size=a.suggest_group_size, top=a.suggest_top)
-        _emit_to(report, a.json, **kw)
-        return 0
-    from qjax.research.routing import compare_routing
+    else:
+        from qjax.research.routing import compare_routing
 
-    report = compare_routing(mine, ref, ids, batch=a.batch_size,
-                             min_agreement=ROUTING_MIN_AGREEMENT if a.min_agreement is None else a.min_agreement,
-                             max_router_kl=ROUTING_MAX_ROUTER_KL if a.max_router_kl is None else a.max_router_kl,
-                             names=names)
-    _emit_to(report, a.json)
-    return 1 if report.flagged else 0
+        report = compare_routing(mine, ref, ids, batch=a.batch_size,
+                                 min_agreement=ROUTING_MIN_AGREEMENT if a.min_agreement is None else a.min_agreement,
+                                 max_router_kl=ROUTING_MAX_ROUTER_KL if a.max_router_kl is None else a.max_router_kl,
+                                 names=names)
+    _emit_to(report, a.json, **kw)
+    if a.plot is not None:
+        from qjax.research.plots import write_plots
+
+        for path in write_plots(report, a.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    return 1 if mode == "--routing" and report.flagged else 0
 
 
 def register(subparsers) -> None:
@@ -301,6 +310,8 @@ def register(subparsers) -> None:
     r.add_argument("--max-router-kl", type=float, default=None,
                    help=f"also flag a layer whose isolated router KL exceeds this, nats (default "
                         f"{ROUTING_MAX_ROUTER_KL:g}: rounding alone ≤ 2.2e-6, the uncompensated router ≥ 6.3e-4)")
+    r.add_argument("--plot", default=None, metavar="DIR",
+                   help="also write PNG pictures into DIR (needs matplotlib: the 'plot' extra)")
     r.add_argument("--suggest-top", type=int, default=2, help="--damage: blocks the suggestion promotes (default 2)")
     r.add_argument("--suggest-bits", type=int, default=4, help="--damage: their experts' bits (default 4)")
     r.add_argument("--suggest-group-size", type=int, default=128,

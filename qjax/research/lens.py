@@ -48,10 +48,12 @@ class LensReport:
     final_loss: float
     model: str = "model"
     reference: str | None = None
+    kl_final_by_position: list | None = None  # [L][T-1] KL(final ‖ lens) averaged over the rows (the heatmap)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "reference": self.reference, "tokens": self.tokens, "final_loss": self.final_loss,
-                "layers": [dataclasses.asdict(r) for r in self.layers]}
+                "layers": [dataclasses.asdict(r) for r in self.layers],
+                "kl_final_by_position": self.kl_final_by_position}
 
     def format(self) -> str:
         ref = self.reference is not None
@@ -129,4 +131,5 @@ def logit_lens(model, input_ids, reference=None, *, batch: int = 8, names=("mode
               for i in range(cfg.num_hidden_layers)]
     return LensReport(layers=layers, tokens=int(joined["final_loss"].size),
                       final_loss=float(np.mean(joined["final_loss"], dtype=np.float64)), model=names[0],
-                      reference=names[1] if reference is not None else None)
+                      reference=names[1] if reference is not None else None,
+                      kl_final_by_position=np.mean(joined["kl_final"], axis=1, dtype=np.float64).tolist())
