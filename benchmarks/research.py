@@ -19,28 +19,28 @@ Prints markdown; writes nothing.
 
 from __future__ import annotations
 
-from qjax import xla_env  # noqa: E402
+from qjax import xla_env
 
 xla_env.apply(single_threaded=True)
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import argparse
+import statistics
+import time
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+from flax import nnx
+from qjax.convert.planner import recipe_to_qconfig
 
-import qjax  # noqa: E402
-from qjax.autoround.rtn import quantize_model  # noqa: E402
-from qjax.checkpoint.hub import default_model_dir  # noqa: E402
-from qjax.convert.planner import recipe_to_qconfig  # noqa: E402
-from qjax.evaluation.evaluate import load_tokenizer, perplexity, read_texts, tokenize_texts  # noqa: E402
-from qjax.model.probe import SITES, Probe  # noqa: E402
-from qjax.research.capture import probed_forward  # noqa: E402
-from qjax.research.damage import block_damage  # noqa: E402
-from qjax.research.lens import logit_lens  # noqa: E402
-from qjax.research.routing import ROUTING_SITES, compare_routing, fold_smoothing_scales, smoothing_scales  # noqa: E402
+import qjax
+from qjax.autoround.rtn import quantize_model
+from qjax.checkpoint.hub import default_model_dir
+from qjax.evaluation.evaluate import load_tokenizer, perplexity, read_texts, tokenize_texts
+from qjax.model.probe import SITES, Probe
+from qjax.research.capture import probed_forward
+from qjax.research.damage import block_damage
+from qjax.research.lens import logit_lens
+from qjax.research.routing import ROUTING_SITES, compare_routing, fold_smoothing_scales, smoothing_scales
 
 W2W4 = "experts=int2:g64,rest=int4:g64"  # seed 000's recipe with the 4-bit group dividing the built-in model's 64
 
@@ -124,7 +124,7 @@ def damage(calib, heldout) -> None:
         rest = [i for i in range(n) if i not in layers]
         groups["experts"] = {"format": "pack-quantized", "targets": [rx(rest)], "weights": {
             "num_bits": 2, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64}}
-        other = [g for g in base_qc["config_groups"].values() if g["targets"] == ["Linear"]][0]
+        other = next(g for g in base_qc["config_groups"].values() if g["targets"] == ["Linear"])
         groups["rest"] = other
         return quantize_model(bf16, {**base_qc, "config_groups": groups})
 

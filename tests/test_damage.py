@@ -7,10 +7,10 @@ import json
 
 import numpy as np
 import pytest
+from qjax.convert import save_pretrained
 
 import qjax
 from qjax.cli import main
-from qjax.convert import save_pretrained
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import json
 
 import numpy as np
 import pytest
+from qjax.convert import save_pretrained
 
 import qjax
 from qjax.cli import main
-from qjax.convert import save_pretrained
 from qjax.research.routing import compare_routing, fold_smoothing_scales, smoothing_scales
 
 ARGS = ["--seqlen", "64", "--max-tokens", "128"]  # two rows of seeded random ids

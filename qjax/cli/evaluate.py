@@ -210,7 +210,7 @@ def cmd_research(a, model: str, mode: str) -> int:
         from qjax.research.damage import block_damage
 
         report = block_damage(mine, ref, ids, batch=a.batch_size, names=names)
-        kw = dict(bits=a.suggest_bits, group_size=a.suggest_group_size, top=a.suggest_top)
+        kw = {"bits": a.suggest_bits, "group_size": a.suggest_group_size, "top": a.suggest_top}
     else:
         from qjax.research.routing import compare_routing
 

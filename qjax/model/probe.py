@@ -141,7 +141,9 @@ class Tap:
 class _NoTap:
     """The plain forward's tap: every value passes untouched, the MoE block runs as it always does."""
 
-    captured: dict = {}
+    @property
+    def captured(self) -> dict:
+        return {}
 
     def __call__(self, site: str, value):
         return value

@@ -124,7 +124,7 @@ def logit_lens(model, input_ids, reference=None, *, batch: int = 8, names=("mode
     parts = [logit_lens_array(model, ids[i:i + batch], reference) for i in range(0, ids.shape[0], batch)]
     joined = {k: np.concatenate([p[k] for p in parts], axis=-2) for k in parts[0]}
     cfg = model.config
-    mean = lambda k, i: float(np.mean(joined[k][i], dtype=np.float64))  # noqa: E731
+    mean = lambda k, i: float(np.mean(joined[k][i], dtype=np.float64))
     layers = [LensLayer(layer=i, kind=cfg.layer_types[i], loss=mean("loss", i), top1_final=mean("top1_final", i),
                         kl_final=mean("kl_final", i),
                         kl_reference=mean("kl_reference", i) if reference is not None else None)
