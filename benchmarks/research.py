@@ -13,6 +13,9 @@
   ``--layer_config``), and of the build with the bottom-2 blocks' experts at INT4 (the same total bits) — whether the
   ranking picks the blocks that matter.
 - ``lens``: the logit lens of the built-in model, and of the w2w4 build against it.
+- ``autoround``: the seed-000 recipe by AutoRound (200 iters, 128 × 256 calib.txt tokens, the 4-bit group 64 as in
+  benchmarks/quality.py): its per-block losses (iteration 0 = RTN, best) beside the damage ranking of its build
+  (2,048 held-out tokens).
 
 Prints markdown; writes nothing.
 """
@@ -143,6 +146,31 @@ def lens(ids) -> None:
           f"{logit_lens(q, ids, reference=bf16, names=('w2w4 RTN', 'built-in')).format()}\n```")
 
 
+def autoround(heldout) -> None:
+    from qjax.autoround.driver import AutoRound, AutoRoundConfig
+
+    bf16 = qjax.load_model(default_model_dir())
+    cfg = AutoRoundConfig(bits=4, group_size=64, layer_config={".*experts.*": {"bits": 2, "group_size": 64}},
+                          iters=200, nsamples=128, seqlen=256, batch_size=8)
+    ar = AutoRound(bf16, _tokens("calib.txt", 128 * 256), cfg)
+    t = time.perf_counter()
+    ar.run()
+    tuned = time.perf_counter() - t
+    report = block_damage(ar.quantized_model(), bf16, heldout[:8], names=("w2w4 AutoRound", "built-in"))
+    rank = {b.layer: r for r, b in enumerate(report.ranked, 1)}
+    print(f"\n### AutoRound per-block loss beside the damage ranking (seed-000 recipe, tuned in {tuned:.0f} s; damage "
+          f"on {report.tokens} held-out tokens, KL(source ‖ model) {report.base_kl:.3e})\n")
+    print("| layer | type | AutoRound loss iter 0 (RTN) | best loss | damage rank | repair gain | share | mlp gain | "
+          "attn gain |\n|---|---|---|---|---|---|---|---|---|")
+    for r in ar.reports:
+        if r.index >= len(report.blocks):
+            continue
+        b = report.blocks[r.index]
+        print(f"| {r.index} | {r.kind} | {r.init_loss:.3e} | {r.best_loss:.3e} | {rank[r.index]} | {b.gain:.3e} | "
+              f"{b.gain / report.base_kl:.1%} | {b.mlp_gain:.3e} | {b.attn_gain:.3e} |")
+    print(f"\nsuggested --layer_config: {report.layer_config(bits=4, group_size=64)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", default="routing,cost,damage,lens")
@@ -158,6 +186,8 @@ def main() -> None:
         damage(_tokens("calib.txt", 2048), _tokens("heldout.txt", 10 ** 9))
     if "lens" in parts:
         lens(heldout[:8])
+    if "autoround" in parts:
+        autoround(heldout)
 
 
 if __name__ == "__main__":
