@@ -7,6 +7,8 @@ a Pallas (Triton) kernel with the same signature:
 - :func:`moe_experts`: routed SwiGLU experts with packed (or dense) ``[E, …]`` weights and the routing-weight
   combine; :func:`moe_routed`: the routing (:func:`route`) and the experts in one call (one decode token is routed
   inside the Pallas kernels);
+- :func:`decode_attention`: one decode query per row against a layer of the K/V cache stacks, read in place
+  (:func:`attention`: the plain-JAX softmax attention it matches);
 - :func:`gated_delta_step`: one decode token of the Gated DeltaNet recurrence;
 - :func:`gated_delta_decode`: one decode token of a Gated DeltaNet layer from its input projections (conv
   step, SiLU, decay, β and the recurrence; the conv window and state updated in their stacks).
@@ -15,13 +17,15 @@ a Pallas (Triton) kernel with the same signature:
 float64 inputs, which only the references take) and the shared SiLU.
 """
 
+from .attention_reference import attention
 from .dispatch import IMPLS, resolve, use
 from .moe_reference import route, routed_experts
-from .ops import gated_delta_decode, gated_delta_step, matmul, moe_experts, moe_routed, qmatmul
+from .ops import decode_attention, gated_delta_decode, gated_delta_step, matmul, moe_experts, moe_routed, qmatmul
 from .precision import accum_dtype, dot_precision, sigmoid, silu
 from .qmatmul_reference import dequantize, dequantize_experts, matmul_accumulated, unpack_int
 from .quant_meta import QuantMeta, dense_meta
 
-__all__ = ["IMPLS", "QuantMeta", "accum_dtype", "dense_meta", "dequantize", "dequantize_experts", "dot_precision",
+__all__ = ["IMPLS", "QuantMeta", "accum_dtype", "attention", "decode_attention", "dense_meta", "dequantize",
+           "dequantize_experts", "dot_precision",
            "gated_delta_decode", "gated_delta_step", "matmul", "matmul_accumulated", "moe_experts", "moe_routed",
            "qmatmul", "resolve", "route", "routed_experts", "sigmoid", "silu", "unpack_int", "use"]

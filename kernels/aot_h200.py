@@ -72,7 +72,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 KERNEL_MODULES = ("qjax.kernels.qmatmul_pallas", "qjax.kernels.moe_pallas", "qjax.kernels.gdn_pallas",
-                  "qjax.runtime.bench")
+                  "qjax.kernels.attention_pallas", "qjax.runtime.bench")
 TARGETS = {"h200": Path(__file__).with_name("h200.txtpb"), "h100": Path(__file__).with_name("h100.txtpb")}
 TARGET_CONFIG = TARGETS["h200"]
 # The CUDA stack of the lent GPU image (jax 0.11.2 + jax-cuda13-plugin: CUDA 13 runtime and toolkit, a CUDA 13

@@ -6,7 +6,8 @@ import math
 
 import jax.numpy as jnp
 
-from . import gdn_pallas, indexing, moe_pallas, moe_reference, qmatmul_pallas
+from . import attention_pallas, gdn_pallas, indexing, moe_pallas, moe_reference, qmatmul_pallas
+from .attention_reference import decode_attention_reference
 from . import qmatmul_reference as reference
 from .dispatch import resolve
 from .gdn_reference import gated_delta_decode_reference, gated_delta_step_reference
@@ -138,3 +139,20 @@ def gated_delta_decode(mixed_qkv, a, b, conv_state, conv_weight, A_log, dt_bias,
                                                     keep=keep, interpret=which == "interpret")
     return gated_delta_decode_reference(mixed_qkv, a, b, conv_state, conv_weight, A_log, dt_bias, recurrent_state,
                                         layer=layer, weight_layer=weight_layer, keep=keep)
+
+
+def decode_attention(q, k_stack, v_stack, allowed, *, layer, kv_len: int, impl: str | None = None):
+    """One query per row against layer ``layer`` of the ``[G, B, Hkv, S, D]`` K/V cache stacks (the first ``kv_len``
+    slots; ``allowed [B, kv_len]`` bool) → ``[B, Hq, D]`` in q's dtype; see
+    :func:`.attention_reference.decode_attention_reference`.
+
+    With the Pallas kernels (a power-of-two head dim, ≤ 16 query heads per kv head, the cache in q's dtype) two
+    kernels read the layer in place (:func:`.attention_pallas.decode_attention_pallas`); otherwise the reference,
+    which slices the layer out (an FP8 cache is dequantized by the caller).
+    """
+    which = resolve(impl, q.dtype)
+    if (which in ("pallas", "interpret") and attention_pallas.supported(q.shape, k_stack.shape)
+            and k_stack.dtype == v_stack.dtype == q.dtype):
+        return attention_pallas.decode_attention_pallas(q, k_stack, v_stack, allowed, layer=layer, kv_len=kv_len,
+                                                        interpret=which == "interpret")
+    return decode_attention_reference(q, k_stack, v_stack, allowed, layer=layer, kv_len=kv_len)

@@ -54,13 +54,17 @@ def test_logits_unchanged_through_pallas_entry_points(name, tmp_path, monkeypatc
         real_moe = moe_pallas.moe_experts_pallas
         monkeypatch.setattr(moe_pallas, "moe_experts_pallas", lambda x, idx, w, gu, dn, **kw: moe_metas.append(
             (gu[3].fmt, dn[3].fmt)) or real_moe(x, idx, w, gu, dn, **kw))
-    from qjax.kernels import gdn_pallas
+    from qjax.kernels import attention_pallas, gdn_pallas
 
     gdn_steps = []  # decode steps of the GDN layers: the fused decode kernel (conv step, gating, recurrence), with
     # the window and the state inside their layer stacks
     real_gdn = gdn_pallas.gated_delta_decode_pallas
     monkeypatch.setattr(gdn_pallas, "gated_delta_decode_pallas",
                         lambda *a, **kw: gdn_steps.append(kw.get("layer") is not None) or real_gdn(*a, **kw))
+    attn_steps = []  # decode steps of the full-attention layers: K/V read inside the cache stacks by the kernels
+    real_attn = attention_pallas.decode_attention_pallas
+    monkeypatch.setattr(attention_pallas, "decode_attention_pallas",
+                        lambda q, k, v, *a, **kw: attn_steps.append(k.ndim) or real_attn(q, k, v, *a, **kw))
     ids = np.random.default_rng(0).integers(0, 512, (2, 21)).astype(np.int32)
     logits = {}
     for impl in ("reference", "interpret"):
@@ -76,5 +80,6 @@ def test_logits_unchanged_through_pallas_entry_points(name, tmp_path, monkeypatc
         assert {shape[1:] for shape in in_stack} >= {(256, 64), (64, 128), (128, 64)}, in_stack
         assert moe_metas and set(moe_metas) == {("dense", "dense")}, moe_metas
     assert gdn_steps and all(gdn_steps), gdn_steps
+    assert attn_steps and set(attn_steps) == {5}, attn_steps  # [G, B, Hkv, S, D]: the stacks themselves
     assert np.abs(logits["interpret"] - logits["reference"]).max() <= 1e-5
     np.testing.assert_array_equal(logits["interpret_gen"], logits["reference_gen"])

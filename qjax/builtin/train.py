@@ -42,7 +42,7 @@ from flax import nnx
 
 from qjax.evaluation import evaluate
 from qjax.model.config import LINEAR
-from qjax.kernels import route
+from qjax.model.moe import route
 from qjax.model.qwen3_5_moe import MTP, Qwen3_5MoeForCausalLM
 
 HIGHEST = jax.lax.Precision.HIGHEST

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from qjax.kernels import attention as kernels_attention
 from qjax.kernels import (
     accum_dtype,
-    dot_precision,
+    decode_attention,
     gated_delta_decode,
     gated_delta_step,
     indexing,
@@ -108,6 +109,12 @@ class GatedAttention(nnx.Module):
             new_v = quantize_fp8(v, vs) if fp8 else v
             kv = KVState(k=write_tokens(kv.k, g, rows, ctx.write_slot, new_k),
                          v=write_tokens(kv.v, g, rows, ctx.write_slot, new_v))
+            if t == 1 and rows is None and not fp8:
+                # decode over the whole cache: the layer's K/V read inside the cache stacks (with the Pallas
+                # kernels no copy of the layer; on CPU the reference: the slice and the attention below)
+                o = decode_attention(q[:, 0], kv.k, kv.v, _allowed(ctx, ctx.kv_len)[:, 0], layer=g,
+                                     kv_len=ctx.kv_len)
+                return self.o_proj(o.reshape(b, t, nh * d) * sigmoid(gate), layer), kv
             # the first kv_len slots of this layer's rows, [B, Hkv, kv_len, D]: what the queries may read (this
             # call's tokens included)
             keys, values = (read_layer(c, g, rows, ctx.kv_len) for c in (kv.k, kv.v))
@@ -127,27 +134,16 @@ class GatedAttention(nnx.Module):
         return self.o_proj(o, layer), kv
 
 
-def attention(q, k, v, ctx: StepContext) -> jnp.ndarray:
-    """Causal GQA softmax attention in fp32 (float64 for a float64 model); q head h reads kv head ``h // (Hq/Hkv)``.
+def _allowed(ctx: StepContext, s: int) -> jnp.ndarray:
+    """``[B, T, s]`` bool: which of the first ``s`` key slots each query may read — causality (key slot ≤ query
+    slot) and real tokens."""
+    return (jnp.arange(s)[None, None, :] <= ctx.query_slot[..., None]) & ctx.key_valid[:, None, :s]
 
-    Args:
-      q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, S, D]`` (S = T without a cache, the slots read with one) — the cache's
-        layout, in which both matmuls batch over (B, Hkv) without transposing the keys or values.
-    Returns:
-      ``[B, T, Hq, D]`` in q's dtype.
-    """
-    b, t, hq, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    precision, acc = dot_precision(q.dtype), accum_dtype(q.dtype)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, precision=precision, preferred_element_type=acc)
-    scores = scores * (d ** -0.5)
-    allowed = (jnp.arange(s)[None, None, :] <= ctx.query_slot[..., None]) & ctx.key_valid[:, None, :s]  # [B, T, S]
-    # a finite minimum (not -inf) keeps fully masked rows (queries at left pads) NaN-free
-    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(acc).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    o = jnp.einsum("bkgts,bksd->bkgtd", probs, v, precision=precision, preferred_element_type=acc)
-    return o.astype(q.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+
+def attention(q, k, v, ctx: StepContext) -> jnp.ndarray:
+    """Causal GQA softmax attention (:func:`qjax.kernels.attention`) of ``q [B, T, Hq, D]`` over ``k, v [B, Hkv, S,
+    D]`` (S = T without a cache, the slots read with one) → ``[B, T, Hq, D]`` in q's dtype."""
+    return kernels_attention(q, k, v, _allowed(ctx, k.shape[2]))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
