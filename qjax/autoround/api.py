@@ -23,6 +23,7 @@ from qjax.convert.hf_writer import preflight
 from qjax.program_cache import ProgramCache, program_cache, use_compile_cache
 from qjax.quant.unquantized import kept_part
 
+from . import algorithms
 from . import progress as prog
 from .data import calibration_ids, load_tokenizer, read_documents
 from .driver import AutoRound, AutoRoundConfig, report_json
@@ -37,7 +38,7 @@ FORMATS = ("llm_compressor", "auto_round")
 # auto-round's --algorithm names (auto_round/algorithms/registry.py) → canonical; qjax runs auto_round and rtn
 ALGORITHM_ALIASES = {"auto_round": "auto_round", "autoround": "auto_round", "sign_round": "auto_round",
                      "signround": "auto_round", "rtn": "rtn", "hadamard": "hadamard", "random_hadamard": "hadamard",
-                     "quarot_hadamard": "hadamard", "awq": "awq", "quarot": "quarot", "spinquant": "spinquant",
+                     "quarot_hadamard": "hadamard", "awq": "awq", "gptq": "gptq", "quarot": "quarot", "spinquant": "spinquant",
                      "svdquant": "svdquant"}
 # the source's files an export copies as they are: the tokenizer, the chat template and the image/video processors'
 # settings (the vision tower is copied too, so image prompts keep working on the export)
@@ -79,7 +80,7 @@ def format_dirs(output_dir: str, fmt) -> dict[str, str]:
 def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, dataset: str, fmt: str = "llm_compressor",
                     dtype=None, overwrite: bool = False, resume: bool = False, progress: bool = True,
                     on_block=None, programs: ProgramCache | None = None, device_memory: int | None = None,
-                    on_plan=None) -> str:
+                    on_plan=None, algorithm=None) -> str:
     """Quantize the checkpoint in ``model_dir`` with AutoRound and write it to ``output_dir``.
 
     AutoRound tunes the decoder layers, read from ``model_dir`` one block at a time (:mod:`qjax.autoround.stream`):
@@ -103,6 +104,8 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
       device_memory: the device memory the run may use, in bytes (default: the device's own; on CPU the host's
         available memory); decides where the calibration streams live.
       on_plan: called with the :class:`~qjax.autoround.plan.MemoryPlan` before any work.
+      algorithm: None for AutoRound (RTN with ``iters`` 0), or an object of :mod:`qjax.autoround.algorithms`
+        (:func:`~qjax.autoround.algorithms.make`: AWQ, GPTQ) that quantizes each block in the same streamed loop.
     Returns:
       ``output_dir``.
     """
@@ -129,15 +132,15 @@ def quantize_folder(model_dir: str, output_dir: str, cfg: AutoRoundConfig, *, da
         except ValueError:
             pass  # only needed for text data; calibration_ids says so when it is
         ids = calibration_ids(dataset, tokenizer, nsamples=cfg.nsamples, seqlen=cfg.seqlen, seed=cfg.seed,
-                              vocab_size=source.config.vocab_size, tuned=cfg.iters > 0)
+                              vocab_size=source.config.vocab_size, tuned=cfg.iters > 0 or algorithm is not None)
         logger.info("calibration: %d samples of %d tokens from %s", ids.shape[0], ids.shape[1], dataset)
         fingerprint = {"model": os.path.abspath(model_dir), "dtype": str(source.dtype), "format": fmt,
                        "calibration_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
-                       **{k: v for k, v in cfg.to_dict().items() if k != "chunk"}}
+                       **{k: v for k, v in cfg.to_dict().items() if k != "chunk"}, **algorithms.describe(algorithm)}
         fingerprint = json.loads(json.dumps(fingerprint))  # what state.json holds after a round trip
         pdir = progress_dir_for(output_dir)
         ar = AutoRound(source, ids, cfg, progress=progress, progress_dir=pdir, resume=resume,
-                       fingerprint=fingerprint, on_block=on_block, programs=programs)
+                       fingerprint=fingerprint, on_block=on_block, programs=programs, algorithm=algorithm)
         plan = plan_memory(ar, device_memory=device_memory, output_bytes=out_bytes)  # refused here, before any work, when it cannot fit
         ar.streams = plan.where
         for line in plan.lines():
@@ -239,12 +242,23 @@ def algorithm_from_args(a) -> str:
         if n not in ALGORITHM_ALIASES:
             print(f"note: --algorithm {n!r} is not an auto-round algorithm; ignored (as auto-round does)",
                   file=sys.stderr)
-    other = sorted({c for c in canonical if c not in ("rtn", "auto_round")})
+    other = sorted({c for c in canonical if c not in algorithms.NAMES})
     if other:
-        raise ValueError(f"--algorithm {','.join(other)} is not supported by qjax (auto_round or rtn)")
-    if "rtn" in canonical and "auto_round" in canonical:
-        raise ValueError("--algorithm: choose one of rtn and auto_round")
+        raise ValueError(f"--algorithm {','.join(other)} is not supported by qjax (auto_round, rtn, awq or gptq)")
+    if len(set(canonical)) > 1:
+        raise ValueError(f"--algorithm: choose one of {', '.join(sorted(set(canonical)))}")
+    if canonical and canonical[0] in (algorithms.AWQ, algorithms.GPTQ):
+        return canonical[0]
     return "rtn" if "rtn" in canonical or a.iters == 0 else "auto_round"
+
+
+def algorithm_object(a):
+    """The block algorithm of ``qjax quantize`` flags (:func:`qjax.autoround.algorithms.make`; None: AutoRound/RTN)."""
+    actorder = getattr(a, "actorder", None)
+    actorder = "unset" if actorder is None else (None if actorder == "none" else actorder)
+    return algorithms.make(algorithm_from_args(a), duo_scaling=getattr(a, "duo_scaling", None),
+                           n_grid=getattr(a, "n_grid", None), block_size=getattr(a, "block_size", None),
+                           dampening_frac=getattr(a, "dampening_frac", None), actorder=actorder)
 
 
 # flags auto-round takes that change nothing in qjax: (flag dest, note when given)
@@ -290,6 +304,7 @@ def cli(a) -> int:
         elif dest == "enable_torch_compile" and a.enable_torch_compile is False:
             print(f"note: {note}", file=sys.stderr)
     cfg = config_from_args(a)
+    alg = algorithm_object(a)
     use_cpu_devices(cfg.batch_size)
     model_dir = a.model or default_model_dir()
     dataset = a.dataset or os.path.join(model_dir, "calib.txt")
@@ -309,7 +324,7 @@ def cli(a) -> int:
     budget = None if a.device_memory is None else int(a.device_memory * 2**30)
     out = quantize_folder(model_dir, a.output_dir, cfg, dataset=dataset, fmt=a.format, dtype=a.dtype,
                           overwrite=a.overwrite, resume=a.resume, progress=not a.quiet, programs=program_cache(cache),
-                          device_memory=budget)
+                          device_memory=budget, algorithm=alg)
     for f, d in format_dirs(out, a.format).items():
         print(f"wrote {d} ({f})")
     return 0

@@ -92,6 +92,20 @@ def quantized_entries(ar, result_of, prefix: str = "model.") -> tuple[Quantizati
         entries.update(_module_entries("lm_head", ar.head_result, cfg.scale_dtype))
         groups.setdefault(schemes.from_autoround(ar.head_result.scheme, cfg.scale_dtype), []).append("lm_head")
         quantized_modules.add("lm_head")
+    # float tensors the block algorithm changed (AWQ: smoothed norms, compensated router / shared-expert gate), over
+    # the source's
+    float_dtype = dtype_name(jnp.dtype(ar.source.dtype))
+    for i in range(ar.num_layers):
+        by_name = {u.name: u for u in blocks.layer_units(mcfg, mcfg.layer_types[i])}
+        for key, shape in ar.float_tensors(i).items():
+            get = (lambda i=i, key=key: np.asarray(ar.block_floats(i)[key]))
+            if key.endswith(".weight"):
+                entries[f"{prefix}layers.{i}.{key}"] = (tuple(shape), float_dtype, get)
+                continue
+            u = by_name[key]  # an unquantized unit: per expert, as the export lays dense experts out
+            for e, module in enumerate(blocks.unit_names(u, i, mcfg.num_experts)):
+                entries[prefix + module[len("model."):] + ".weight"] = (
+                    tuple(u.shape), float_dtype, (lambda get=get, e=e: get()[e]) if u.experts else get)
     kv = None
     if ar.kv_scales:
         strategy = "attn_head" if cfg.static_kv_granularity == "head" else "tensor"

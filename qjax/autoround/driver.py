@@ -39,6 +39,7 @@ from qjax.program_cache import ProgramCache
 from qjax.quant.packing import pack_int32
 
 from . import blocks, head
+from .algorithms import BlockInputs
 from . import progress as prog
 from . import stream
 from .assemble import build_quantized_model, dequantize_result
@@ -163,7 +164,7 @@ class AutoRound:
     def __init__(self, model, calib_ids: np.ndarray, cfg: AutoRoundConfig, *, progress: bool = True,
                  progress_dir: str | None = None, resume: bool = False, fingerprint: dict | None = None,
                  on_block: Callable[[BlockReport], None] | None = None, devices=None,
-                 programs: ProgramCache | None = None, streams: str = stream.DEVICE):
+                 programs: ProgramCache | None = None, streams: str = stream.DEVICE, algorithm=None):
         self.source = stream.blocks_of(model)
         ids = np.asarray(calib_ids, np.int32)
         if ids.ndim != 2 or ids.shape[0] < 1:
@@ -173,6 +174,9 @@ class AutoRound:
         if streams not in (stream.DEVICE, stream.HOST):
             raise ValueError(f"streams must be {stream.DEVICE!r} or {stream.HOST!r}, got {streams!r}")
         self.cfg, self.ids, self.streams = cfg, ids, streams
+        # None: AutoRound's own tuning (or RTN); else an object of qjax.autoround.algorithms quantizes each block
+        self.algorithm = algorithm
+        self.floats: dict[int, dict[str, np.ndarray]] = {}  # block → float tensors the algorithm changed
         self.mcfg = self.source.config
         self.num_layers = self.mcfg.num_hidden_layers
         self.progress, self.on_block = progress, on_block
@@ -183,6 +187,8 @@ class AutoRound:
                                cfg.base_scheme, cfg.layer_config, ignored=cfg.ignore_layers)
         head_scheme = self.schemes.pop(head.NAME, None)
         self.head_scheme = head_scheme if head_scheme is not None and head_scheme.quantized else None
+        if algorithm is not None and self.head_scheme is not None:
+            raise ValueError(f"--quant_lm_head is not supported with --algorithm {algorithm.name} (auto_round or rtn)")
         self.head_result: UnitResult | None = None
         self.results: dict[int, dict[str, UnitResult]] = {}
         self.kv_scales: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -279,9 +285,15 @@ class AutoRound:
             units = self.block_units(i)
             report = BlockReport(index=i, kind=kind, units=len(units))
             x_in = q_in if self.cfg.enable_quanted_input else fp_in
-            imatrix = self._imatrix(layer, fp_in, units) if self._needs_imatrix(units) else {}
-            res, stats = self._quantize_block(i, layer, units, x_in, fp_out, imatrix)
-            del x_in, imatrix
+            if self.algorithm is not None:
+                out = self.algorithm.quantize_block(BlockInputs(i, kind, layer, tuple(units), x_in, self._ctx,
+                                                                self.cfg.batch_size, self.mcfg, self.cfg.scale_dtype))
+                res, stats, self.floats[i] = out.results, (None,) * 5, out.floats
+            else:
+                imatrix = self._imatrix(layer, fp_in, units) if self._needs_imatrix(units) else {}
+                res, stats = self._quantize_block(i, layer, units, x_in, fp_out, imatrix)
+                del imatrix
+            del x_in
             fp_in = None  # the float input is not needed past tuning: one stream less while q_out is computed
             self.results[i] = res
             report.init_loss, report.best_loss, report.best_iter, report.iter_seconds, report.compile_seconds = stats
@@ -295,14 +307,28 @@ class AutoRound:
             self.source.release(i)
             if self.source.streamed:  # saved in the progress folder: the export reads it from there
                 del self.results[i]
+                self.floats.pop(i, None)
         if self.head_scheme is not None:
             self._quantize_head(fp_in, q_in)
         return self.results
 
     def _needs_streams(self) -> bool:
-        if self.cfg.iters > 0 or self.cfg.static_kv_dtype:
+        if self.algorithm is not None or self.cfg.iters > 0 or self.cfg.static_kv_dtype:
             return True
         return any(self._needs_imatrix(self.block_units(i)) for i in range(self.num_layers))
+
+    def float_tensors(self, i: int) -> dict[str, tuple]:
+        """The float tensors of block ``i`` the algorithm changes (``{key: shape}``, a key a layer-relative
+        ``….weight`` or an unquantized unit's name; the export writes them over the source's)."""
+        if self.algorithm is None:
+            return {}
+        return self.algorithm.float_tensors(self.mcfg, self.mcfg.layer_types[i], {u.name for u, _ in self.block_units(i)})
+
+    def block_floats(self, i: int) -> dict[str, np.ndarray]:
+        """Block ``i``'s changed float tensors: in memory, or a streamed run's finished block's progress file."""
+        if not self.float_tensors(i):
+            return {}
+        return self.floats[i] if i in self.floats else prog.read_floats(self.progress_dir, i)
 
     def block_units(self, i: int) -> list[tuple[blocks.Unit, Scheme]]:
         """The units of block ``i`` the run quantizes, with their schemes (in the layer's unit order)."""
@@ -525,7 +551,13 @@ class AutoRound:
         weights = blocks.weights_of(layer)
         new = {u.name: dequantize_result(res[u.name], blocks.unit_weight(weights, u).dtype)
                for u in units if u.name in res}
+        floats = self.block_floats(i)  # AWQ's smoothed norms, compensated router, balanced unquantized units
+        new.update({u.name: jnp.asarray(floats[u.name]) for u in units if u.name in floats})
         weights = blocks.replace_units(weights, units, new)
+        for key, v in floats.items():
+            if key.endswith(".weight"):
+                path = tuple(key.split("."))
+                weights[path] = jnp.asarray(v, weights[path].dtype)
         graphdef, state = nnx.split(layer)
         flat = [(p, v.replace(weights[tuple(p)])) for p, v in nnx.to_flat_state(state)]
         return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -90,6 +90,13 @@ def save_block(ar, i: int) -> None:
                                "scale_dtype": r.scale_dtype, "float8": is_f8}
     if i in ar.kv_scales:
         arrays["kv/k_scale"], arrays["kv/v_scale"] = ar.kv_scales[i]
+    # float tensors the algorithm changed (AWQ's smoothed norms, compensated router): raw bytes + dtype name, since
+    # npz cannot hold bfloat16
+    meta["floats"] = {}
+    for key, v in getattr(ar, "floats", {}).get(i, {}).items():
+        v = np.ascontiguousarray(v)
+        arrays[f"float/{key}"] = v.view(np.uint8).reshape(-1)
+        meta["floats"][key] = {"dtype": v.dtype.name, "shape": list(v.shape)}
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     path = _block_path(ar.progress_dir, i)
     # a full disk mid-write leaves no partial file behind, and the error names the block file
@@ -137,6 +144,25 @@ def read_results(folder: str, i: int) -> dict[str, UnitResult]:
                           "--resume") from None
 
 
+def read_floats(folder: str, i: int) -> dict[str, np.ndarray]:
+    """Block ``i``'s changed float tensors as saved in ``folder`` (``{layer-relative key: array}``)."""
+    path = _block_path(folder, i)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return _floats(z, json.loads(bytes(z["meta"]).decode()))
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        raise ResumeError(f"{path} cannot be read ({type(e).__name__}: {e}); start the run again without "
+                          "--resume") from None
+
+
+def _floats(z, meta: dict) -> dict[str, np.ndarray]:
+    out = {}
+    for key, m in meta.get("floats", {}).items():
+        dt = np.dtype(getattr(ml_dtypes, m["dtype"])) if hasattr(ml_dtypes, m["dtype"]) else np.dtype(m["dtype"])
+        out[key] = z[f"float/{key}"].view(dt).reshape(m["shape"])
+    return out
+
+
 def _results(z, meta: dict) -> dict[str, UnitResult]:
     res = {}
     for name, m in meta["units"].items():
@@ -154,6 +180,8 @@ def _load_block(ar, i: int, path: str, keep_results: bool) -> None:
         meta = json.loads(bytes(z["meta"]).decode())
         if keep_results:
             ar.results[i] = _results(z, meta)
+            if meta.get("floats"):
+                ar.floats[i] = _floats(z, meta)
         if "kv/k_scale" in z:
             ar.kv_scales[i] = (z["kv/k_scale"], z["kv/v_scale"])
         if meta["report"] is not None:

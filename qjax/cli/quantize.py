@@ -23,6 +23,13 @@ def cmd_quantize(a) -> int:
     return cli(a)
 
 
+def _duo(text: str):
+    v = text.strip().lower()
+    if v not in ("true", "false", "both"):
+        raise argparse.ArgumentTypeError(f"use true, false or both, not {text!r}")
+    return {"true": True, "false": False}.get(v, v)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``qjax quantize`` flags, named as auto-round's CLI names them."""
     p.add_argument("model_pos", nargs="?", default=None, metavar="model",
@@ -37,8 +44,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="llm_compressor, auto_round, or several separated by ',' (one tuning run; as auto-round, "
                         "several formats go to OUTPUT_DIR/llm-compressor and OUTPUT_DIR/auto-round)")
     p.add_argument("--algorithm", "--algorithms", "--alg", "--algs", default=None,
-                   help="auto_round (SignRound tuning) or rtn (round to nearest: same as --iters 0); by default "
+                   help="auto_round (SignRound tuning), rtn (round to nearest: same as --iters 0), awq "
+                        "(llm-compressor's AWQ: per-mapping scale search, scales folded into the norms and the "
+                        "balance layers, router and shared-expert gate compensated, then min/max RTN) or gptq "
+                        "(llm-compressor's GPTQ: per-linear Hessians, experts from their routed tokens); by default "
                         "auto_round, or rtn with --iters 0")
+    a = p.add_argument_group("AWQ / GPTQ options (llm-compressor's names; --algorithm awq / gptq only)")
+    a.add_argument("--duo_scaling", default=None, type=_duo, metavar="{true,false,both}",
+                   help="AWQ: scales from activations and weights (true), activations only (false) or both grids "
+                        "(default: true)")
+    a.add_argument("--n_grid", type=int, default=None, help="AWQ: grid points of the scale search (default: 20)")
+    a.add_argument("--block_size", type=int, default=None, help="GPTQ: columns per block (default: 128)")
+    a.add_argument("--dampening_frac", type=float, default=None,
+                   help="GPTQ: dampening, a fraction of the Hessian's mean diagonal (default: 0.01)")
+    a.add_argument("--actorder", default=None, choices=["static", "weight", "none"],
+                   help="GPTQ: activation order with static groups (static = weight) or none (default: static)")
     p.add_argument("--ignore_layers", "--fp_layers", default="",
                    help="comma-separated layer names kept in the model dtype, matched as auto-round does (a name "
                         "catches every layer it is a substring of or whose name its regex form matches; "
