@@ -74,13 +74,19 @@ def observer_qparams(w: jax.Array, s: Scheme, scale_dtype: str) -> tuple[jax.Arr
     return scale.astype(jnp.dtype(scale_dtype)).astype(jnp.float32), zp
 
 
-def pack_result(w: jax.Array, scale: jax.Array, zp: jax.Array, s: Scheme, scale_dtype: str) -> UnitResult:
-    """The unit's :class:`UnitResult` for weight ``w [*lead, N, K]`` and its qparams: codes ``clip(round(w / s +
-    zp))`` (exact for a GPTQ-dequantized ``w``: its values are already on the grid), packed as compressed-tensors'
-    signed codes."""
-    q = np.asarray(fake_quant.quantize_codes(jnp.asarray(w, jnp.float32), scale, zp, bits=s.bits), np.int32)
+def pack_result(codes, scale, zp, s: Scheme, scale_dtype: str) -> UnitResult:
+    """The unit's :class:`UnitResult` from its integer ``codes [*lead, N, K]`` and qparams, packed as
+    compressed-tensors' signed codes."""
+    q = np.asarray(codes, np.int32)
     zp8 = None if s.sym else np.asarray(zp, np.int8)
-    return UnitResult(s, pack_int32(q, s.bits), np.asarray(scale, np.float32), w.shape[-1], zp8, scale_dtype)
+    return UnitResult(s, pack_int32(q, s.bits), np.asarray(scale, np.float32), q.shape[-1], zp8, scale_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("s", "scale_dtype"))
+def rtn_codes(w, *, s: Scheme, scale_dtype: str):
+    """Min/max RTN of ``w``: (codes, scale, zp) — one program per shape and scheme (op by op they were dozens)."""
+    scale, zp = observer_qparams(w.astype(jnp.float32), s, scale_dtype)
+    return fake_quant.quantize_codes(w, scale, zp, bits=s.bits), scale, zp
 
 
 def check_schemes(units, name: str) -> None:
@@ -174,7 +180,7 @@ class AWQAlgorithm:
     qjax's addition, the router and the shared-expert gate compensated, checked on the block's tokens
     (:func:`awq.router_check`) — then min/max RTN of the smoothed weights."""
 
-    cfg: awq.AWQConfig = awq.AWQConfig()
+    cfg: awq.AWQConfig = dataclasses.field(default_factory=awq.AWQConfig)
     name: str = AWQ
 
     def float_tensors(self, mcfg, kind: str, quantized) -> dict[str, tuple]:
@@ -287,9 +293,8 @@ class AWQAlgorithm:
 
         results = {}
         for u, sch in b.units:
-            w = jnp.asarray(unit_w(u.name), jnp.float32)
-            scale, zp = observer_qparams(w, sch, b.scale_dtype)
-            results[u.name] = pack_result(w, scale, zp, sch, b.scale_dtype)
+            results[u.name] = pack_result(*rtn_codes(jnp.asarray(unit_w(u.name), jnp.float32), s=sch,
+                                                     scale_dtype=b.scale_dtype), sch, b.scale_dtype)
         floats = {}
         for key in self.float_tensors(b.mcfg, b.kind, schemes):
             floats[key] = unit_w(key) if key in units else np.asarray(host[tuple(key.split("."))])
@@ -418,7 +423,7 @@ class GPTQAlgorithm:
     """GPTQ per block: every unit's Hessian from one forward of the float layer on the block's calibration input
     (experts: routed tokens only), then :func:`gptq.quantize_weight` with the observer's qparams."""
 
-    cfg: gptq.GPTQConfig = gptq.GPTQConfig()
+    cfg: gptq.GPTQConfig = dataclasses.field(default_factory=gptq.GPTQConfig)
     name: str = GPTQ
 
     def float_tensors(self, mcfg, kind: str, quantized) -> dict[str, tuple]:
@@ -439,9 +444,17 @@ class GPTQAlgorithm:
 def quantize_unit(w, h, s: Scheme, cfg: gptq.GPTQConfig, scale_dtype: str, no_tokens=None) -> UnitResult:
     """GPTQ of one unit's weight with its Hessian, packed: :func:`gptq.quantize_weight` on the observer's qparams
     (scale rounded to ``scale_dtype``), then :func:`pack_result`."""
+    return pack_result(*_gptq_codes(w, h, no_tokens, s=s, cfg=cfg, scale_dtype=scale_dtype), s, scale_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("s", "cfg", "scale_dtype"))
+def _gptq_codes(w, h, no_tokens, *, s: Scheme, cfg: gptq.GPTQConfig, scale_dtype: str):
+    """(codes, scale, zp) of GPTQ; the codes of the dequantized weight with the same qparams are exact (its values
+    are on the grid)."""
+    w = w.astype(jnp.float32)
     scale, zp = observer_qparams(w, s, scale_dtype)
     deq, scale, zp, _, _ = gptq.quantize_weight(w, h, s, cfg, scale=scale, zero_point=zp, no_tokens=no_tokens)
-    return pack_result(deq, scale, zp, s, scale_dtype)
+    return fake_quant.quantize_codes(deq, scale, zp, bits=s.bits), scale, zp
 
 
 def make(name: str, *, duo_scaling=None, n_grid=None, block_size=None, dampening_frac=None, actorder="unset"):
