@@ -116,8 +116,8 @@ NOTES = """- History of this table: at commit de5439f the scan sliced every stac
   copies on a second stream (its `dynamic-slice-copy-fusion-async-wrapper` pass); they are what kept the decode
   loop out of a single CUDA graph (the "CUDA graphs" section below). mxfp8-experts has 1 (its attention reads the
   cache in place). The gated norm's [G, 128] weight copies of 2026-12-01 are gone. Since the decode-attention
-  kernels (`qjax.kernels.decode_attention`, 2026-12-07, after this table's run unless its date is later) read the
-  K/V layer in place, the two large slices are gone at decode for a BF16 cache as well.
+  kernels (`qjax.kernels.decode_attention`, 2026-12-07) read the K/V layer in place, the two large slices are gone
+  at decode for a BF16 cache as well (this table: 0 MB, 1 slice per iteration, the 1 KB row).
 - At batch 64 (`--batch 64`, mxfp8-experts) nothing large is copied either; XLA temp is 5.1 GB there (9.1 GB
   before the GDN states were carried and updated in place): the new KV and conv-window stacks the scan writes.
 - Launches per step (columns added 2026-12-01): at batch 1 the w2w4 step's 2,211 MB take ~0.5 ms at the
@@ -137,7 +137,7 @@ NOTES = """- History of this table: at commit de5439f the scan sliced every stac
   token: softmax, top-k and the slot's weight computed by every program; XLA's softmax, sort, copy and select
   between the router and the experts gone: −3 launches per MoE layer and the sort's copies). The H200's Pallas
   programs rose 56,000 → 66,240 with the measured 8192×2048 GEMV tiles (kernels/tiles.json: bn 16 instead of 32).
-  Then 1,020 (after this table: `--recipes w2w4 --no-write`): a GEMV of at most 64 KiB of weight is no longer split
+  Then 1,020: a GEMV of at most 64 KiB of weight is no longer split
   along K (`qmatmul_pallas.SPLIT_MIN_BYTES`: the split's sum was a launch of its own; the GDN layers' 32-row
   `in_proj_a` / `in_proj_b`, −2 per GDN layer).
 - What one w2w4 layer still launches (thunk dump of the H200 decode loop, 2026-12-07, after the GDN decode
