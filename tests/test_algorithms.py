@@ -17,7 +17,7 @@ from oracles.autoround import NSAMPLES, SEQLEN, write_base, write_calibration
 
 import qjax
 from qjax.autoround import algorithms, awq, blocks, gptq
-from qjax.autoround.api import progress_dir_for, quantize_folder
+from qjax.autoround.api import format_dirs, progress_dir_for, quantize_folder
 from qjax.autoround.data import calibration_ids, load_tokenizer
 from qjax.autoround.driver import AutoRoundConfig
 from qjax.checkpoint.safetensors_io import SafetensorsFile
@@ -142,23 +142,31 @@ class Interrupted(Exception):
     pass
 
 
-def test_resume_gives_the_same_bits(setup):
-    """AWQ (whose progress files carry the smoothed float tensors too) stopped after block 2, then --resume."""
+def test_resume_gives_the_same_bits_in_both_formats(setup):
+    """AWQ (whose progress files carry the smoothed float tensors too) stopped after block 2, then --resume, both
+    formats: the compressed-tensors folder is the uninterrupted run's bit for bit, and the auto_round folder loads
+    to the same logits."""
     out = str(setup["tmp"] / "resumed")
+    fmt = "llm_compressor,auto_round"
 
     def stop(report):
         if report.index == 1:
             raise Interrupted
 
     with pytest.raises(Interrupted):
-        quantize_folder(setup["base"], out, CFG, dataset=setup["calib"], progress=False, on_block=stop,
+        quantize_folder(setup["base"], out, CFG, dataset=setup["calib"], progress=False, on_block=stop, fmt=fmt,
                         algorithm=algorithms.make(algorithms.AWQ))
     assert os.path.isdir(progress_dir_for(out))
-    quantize_folder(setup["base"], out, CFG, dataset=setup["calib"], progress=False, resume=True,
+    quantize_folder(setup["base"], out, CFG, dataset=setup["calib"], progress=False, resume=True, fmt=fmt,
                     algorithm=algorithms.make(algorithms.AWQ))
-    a, b = _tensors(out), _tensors(setup[algorithms.AWQ])
+    dirs = format_dirs(out, fmt)
+    a, b = _tensors(dirs["llm_compressor"]), _tensors(setup[algorithms.AWQ])
     assert sorted(a) == sorted(b)
     assert all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)
+    ids = jnp.asarray(setup["ids"][:2])
+    ct = np.asarray(qjax.load_model(dirs["llm_compressor"], text_only=True)(ids), np.float32)
+    ar = np.asarray(qjax.load_model(dirs["auto_round"], text_only=True)(ids), np.float32)
+    np.testing.assert_array_equal(ar, ct)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -175,3 +183,17 @@ def test_bad_options_are_one_line(argv, message, tmp_path, capsys):
     rc = main(["quantize", "--output_dir", str(tmp_path / "out"), "--quiet", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_a_run_on_a_loaded_model_gives_the_streamed_export(setup):
+    """AutoRound(model, …, algorithm=AWQ).quantized_model(): the same model as the streamed run's export (the smoothed
+    float tensors go through the in-memory path too)."""
+    from qjax.autoround.driver import AutoRound
+
+    ids = setup["ids"]
+    ar = AutoRound(qjax.load_model(setup["base"], text_only=True), ids, CFG, progress=False,
+                   algorithm=algorithms.make(algorithms.AWQ))
+    ar.run()
+    a = np.asarray(ar.quantized_model()(jnp.asarray(ids[:2])), np.float32)
+    b = np.asarray(qjax.load_model(setup[algorithms.AWQ], text_only=True)(jnp.asarray(ids[:2])), np.float32)
+    np.testing.assert_array_equal(a, b)

@@ -289,6 +289,7 @@ class AutoRound:
                 out = self.algorithm.quantize_block(BlockInputs(i, kind, layer, tuple(units), x_in, self._ctx,
                                                                 self.cfg.batch_size, self.mcfg, self.cfg.scale_dtype))
                 res, stats, self.floats[i] = out.results, (None,) * 5, out.floats
+                report.method = self.algorithm.name
             else:
                 imatrix = self._imatrix(layer, fp_in, units) if self._needs_imatrix(units) else {}
                 res, stats = self._quantize_block(i, layer, units, x_in, fp_out, imatrix)

@@ -36,13 +36,14 @@ class BlockReport:
     # what the first chunk took beyond that many iterations (compiling the step, or loading it from the cache)
     iter_seconds: float | None = None
     compile_seconds: float | None = None
+    method: str | None = None  # the block algorithm (awq, gptq) when not AutoRound's tuning or RTN
 
     def line(self, num_blocks: int) -> str:
         """The one line a run reports when this block is finished (1-based, as auto-round counts blocks)."""
         head = (f"block {self.index + 1}/{num_blocks} ({self.kind}): {self.units} units" if self.index < num_blocks
                 else self.kind)  # the LM head, after the blocks
         if self.best_loss is None:
-            return f"{head}, RTN, {self.seconds:.1f} s"
+            return f"{head}, {(self.method or 'rtn').upper()}, {self.seconds:.1f} s"
         speed = "" if self.iter_seconds is None else f" ({self.iter_seconds * 1e3:.0f} ms/iter)"
         return (f"{head}, loss iter 0 {self.init_loss:.3e} -> best {self.best_loss:.3e} (iter {self.best_iter}), "
                 f"{self.seconds:.1f} s{speed}")

@@ -12,7 +12,8 @@ from qjax import xla_env
 
 
 def register(sub) -> None:
-    q = sub.add_parser("quantize", help="AutoRound (SignRound) quantization with auto-round's flags and defaults")
+    q = sub.add_parser("quantize", help="AutoRound (SignRound) quantization with auto-round's flags and defaults; "
+                                         "also RTN, AWQ and GPTQ (--algorithm)")
     add_arguments(q)
     q.set_defaults(func=cmd_quantize)
 
