@@ -196,3 +196,22 @@ def test_a_run_on_a_loaded_model_gives_the_streamed_export(setup):
     a = np.asarray(ar.quantized_model()(jnp.asarray(ids[:2])), np.float32)
     b = np.asarray(qjax.load_model(setup[algorithms.AWQ], text_only=True)(jnp.asarray(ids[:2])), np.float32)
     np.testing.assert_array_equal(a, b)
+
+
+def test_cli_gptq_with_options(setup, capsys, caplog):
+    """``qjax quantize --algorithm gptq`` with llm-compressor's option names: the export loads, its codes differ from
+    the default options' (the options reach quantize_weight), and the block lines name the algorithm."""
+    from qjax.cli import main
+
+    out = setup["tmp"] / "cli-gptq"
+    rc = main(["quantize", setup["base"], "--algorithm", "gptq", "--block_size", "16", "--dampening_frac", "0.1",
+               "--actorder", "none", "--dataset", setup["calib"], "--output_dir", str(out), "--bits", "4",
+               "--group_size", "32", "--nsamples", str(NSAMPLES), "--seqlen", str(SEQLEN), "--batch_size", "4",
+               "--compile_cache", "off"])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    assert any(r.getMessage().startswith("block 1/4 (linear_attention): ") and ", GPTQ, " in r.getMessage()
+               for r in caplog.records)
+    model = qjax.load_model(str(out), text_only=True)
+    assert np.isfinite(np.asarray(model(jnp.asarray(setup["ids"][:1])), np.float32)).all()
+    key = "model.layers.0.linear_attn.in_proj_qkv.weight_packed"
+    assert not np.array_equal(_tensors(out)[key], _tensors(setup[algorithms.GPTQ])[key])
