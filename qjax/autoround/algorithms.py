@@ -74,7 +74,11 @@ class BlockOutput:
 def observer_qparams(w: jax.Array, s: Scheme, scale_dtype: str) -> tuple[jax.Array, jax.Array]:
     """compressed-tensors' min/max qparams with the scale rounded to ``scale_dtype`` (what the checkpoint stores)."""
     scale, zp = fake_quant.qparams(w, bits=s.bits, symmetric=s.sym, group_size=s.group_size)
-    return scale.astype(jnp.dtype(scale_dtype)).astype(jnp.float32), zp
+    dt = jnp.dtype(scale_dtype)
+    rounded = scale.astype(dt)
+    # a scale below the dtype's range would store 0 (codes w / 0); its smallest subnormal instead
+    rounded = jnp.where(rounded == 0, jnp.asarray(jnp.finfo(dt).smallest_subnormal, dt), rounded)
+    return rounded.astype(jnp.float32), zp
 
 
 def pack_result(codes, scale, zp, s: Scheme, scale_dtype: str) -> UnitResult:
@@ -101,10 +105,6 @@ def check_schemes(units, name: str) -> None:
 def _with_weights(graphdef, state, weights):
     flat = [(p, v.replace(weights[tuple(p)])) for p, v in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def _graph_key(graphdef) -> tuple:
-    return repr(graphdef.nodes), repr(graphdef.attributes)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
