@@ -199,6 +199,17 @@ class AWQAlgorithm:
                 out[u.name] = ((e, *u.shape) if u.experts else u.shape)
         return out
 
+    def working_bytes(self, mcfg, kind: str, tokens: int, itemsize: int, activations: int, batches: int) -> int:
+        """An estimate of a block's working set for the memory plan: the five cached parent inputs / outputs
+        (``tokens × hidden`` each), one down projection's f32 input and output, the parent forwards on the whole
+        stream (``batches`` × the plan's ``activations`` of one minibatch) and a copy of the block's weights being
+        folded."""
+        h = mcfg.hidden_size
+        inter = max(mcfg.moe_intermediate_size, mcfg.shared_expert_intermediate_size)
+        weights = sum((mcfg.num_experts if u.experts else 1) * u.shape[0] * u.shape[1]
+                      for u in blocks.layer_units(mcfg, kind)) * itemsize
+        return 5 * tokens * h * itemsize + tokens * (inter + h) * 4 + activations * batches + weights
+
     def quantize_block(self, b: BlockInputs) -> BlockOutput:
         check_schemes(b.units, AWQ)
         schemes = {u.name: s for u, s in b.units}
@@ -433,6 +444,15 @@ class GPTQAlgorithm:
 
     def float_tensors(self, mcfg, kind: str, quantized) -> dict[str, tuple]:
         return {}
+
+    def working_bytes(self, mcfg, kind: str, tokens: int, itemsize: int, activations: int, batches: int) -> int:
+        """An estimate for the memory plan: every unit's f32 Hessian, accumulated and normalised (``[E, K, K]`` for
+        experts), one minibatch's forward (``activations``) and GPTQ's own working set, a few f32 copies of the
+        largest unit."""
+        units = blocks.layer_units(mcfg, kind)
+        hess = sum((mcfg.num_experts if u.experts else 1) * u.shape[1] ** 2 * 4 * 2 for u in units)
+        biggest = max((mcfg.num_experts if u.experts else 1) * u.shape[0] * u.shape[1] for u in units)
+        return hess + 4 * biggest * 4 + activations
 
     def quantize_block(self, b: BlockInputs) -> BlockOutput:
         check_schemes(b.units, GPTQ)

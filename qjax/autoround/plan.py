@@ -146,6 +146,10 @@ def plan_memory(ar, *, device_memory: int | None = None, device=None, output_byt
                     + ACTIVATION_BYTES_PER_TOKEN["experts"] * mcfg.num_experts_per_tok * mcfg.moe_intermediate_size
                     + ACTIVATION_BYTES_PER_TOKEN["shared"] * mcfg.shared_expert_intermediate_size)
     step = (tunable * STEP_BYTES_PER_WEIGHT + act) if cfg.iters > 0 else tunable * 4  # RTN: the codes only
+    if ar.algorithm is not None:  # AWQ / GPTQ: their own working set on the whole stream (qjax.autoround.algorithms)
+        batches = -(-n // max(1, min(cfg.batch_size, n)))
+        step = max(ar.algorithm.working_bytes(mcfg, k, n * t, itemsize, act, batches)
+                   for k in dict.fromkeys(mcfg.layer_types))
     stream = n * t * h * itemsize
     chunk = 2 * min(cfg.chunk, max(cfg.iters, 1)) * min(cfg.batch_size, n) * t * h * itemsize
     if device_memory is not None:
