@@ -232,7 +232,8 @@ def test_kept_programs_give_the_same_result(base, calib, tmp_path, caplog, six_i
         with caplog.at_level(logging.DEBUG, logger="qjax.programs"):
             ar = AutoRound(model, calib, cfg, progress=False, programs=ProgramCache(folder))
             ar.run()
-        runs.append((ar, [r.getMessage().split(" ")[2] for r in caplog.records]))
+        runs.append((ar, [r.getMessage().split(" ")[2] for r in caplog.records
+                     if r.name == "qjax.programs"]))
     (first, log1), (second, log2) = runs
     files = sorted(os.listdir(folder))
     assert len(files) == 8  # 2 block kinds × (forward, step, start, end)
