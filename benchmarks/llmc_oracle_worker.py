@@ -82,9 +82,21 @@ HOOK_INPUTS = ("model.layers.0.mlp.experts.1.gate_proj", "model.layers.1.self_at
                "model.layers.0.mlp.shared_expert.down_proj")
 
 
+def timed_oneshot(model, recipe, ids, calib_all: bool) -> float:
+    """llm-compressor's ``oneshot`` of ``recipe`` on the calibration ids (sequential pipeline); its seconds."""
+    from llmcompressor import oneshot
+
+    t0 = time.perf_counter()
+    oneshot(model=model, tokenizer=tokenizer(), dataset=dataset(ids), recipe=recipe, num_calibration_samples=len(ids),
+            max_seq_length=SEQ_LEN, moe_calibrate_all_experts=calib_all, pipeline="sequential")
+    return time.perf_counter() - t0
+
+
 def make_model(folder: str | None = None):
     """The seeded float32 model; ``folder``: where its config was saved (oneshot re-reads the config from
-    ``config.name_or_path`` to refuse already-quantized models)."""
+    ``config.name_or_path`` to refuse already-quantized models). Its randomisation follows tests/oracles/hf.py's
+    ``make_hf_model`` (norm offsets, dt_bias, A_log), restated here because that module imports qjax and this worker
+    runs in llm-compressor's own venv, without it."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     cfg = Qwen3_5MoeTextConfig(**CONFIG)
@@ -131,7 +143,6 @@ def np32(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_awq(name, wargs, opts, calib_all, src, ids, out):
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
@@ -178,10 +189,7 @@ def run_awq(name, wargs, opts, calib_all, src, ids, out):
         recipe = [AWQModifier(**opts),
                   QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": wargs}},
                                        ignore=IGNORE)]
-        t0 = time.perf_counter()
-        oneshot(model=model, tokenizer=tokenizer(), dataset=dataset(ids), recipe=recipe, num_calibration_samples=len(ids),
-                max_seq_length=SEQ_LEN, moe_calibrate_all_experts=calib_all, pipeline="sequential")
-        seconds = time.perf_counter() - t0
+        seconds = timed_oneshot(model, recipe, ids, calib_all)
     finally:
         AWQModifier._compute_best_scale = orig_best
         AWQModifier._compute_loss = orig_loss
@@ -207,7 +215,6 @@ def run_awq(name, wargs, opts, calib_all, src, ids, out):
 def run_gptq(name, wargs, opts, calib_all, src, ids, out):
     import llmcompressor.modifiers.gptq.base as gptq_base
     import llmcompressor.modifiers.gptq.helpers as gptq_helpers
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
 
     model = make_model(src)
@@ -259,10 +266,7 @@ def run_gptq(name, wargs, opts, calib_all, src, ids, out):
     try:
         recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": wargs}}, ignore=IGNORE,
                               **opts)
-        t0 = time.perf_counter()
-        oneshot(model=model, tokenizer=tokenizer(), dataset=dataset(ids), recipe=recipe, num_calibration_samples=len(ids),
-                max_seq_length=SEQ_LEN, moe_calibrate_all_experts=calib_all, pipeline="sequential")
-        seconds = time.perf_counter() - t0
+        seconds = timed_oneshot(model, recipe, ids, calib_all)
     finally:
         gptq_base.quantize_weight = orig_quantize
         gptq_base.accumulate_hessian = orig_accumulate

@@ -133,26 +133,25 @@ def load(ar, keep_results: bool = True) -> int:
     return done
 
 
-def read_results(folder: str, i: int) -> dict[str, UnitResult]:
-    """Block ``i``'s ``{unit: UnitResult}`` as saved in ``folder`` (a streamed run's finished block)."""
+def _read_block(folder: str, i: int, part):
+    """``part(npz, meta)`` of block ``i``'s file in ``folder``; an unreadable file is one :class:`ResumeError`."""
     path = _block_path(folder, i)
     try:
         with np.load(path, allow_pickle=False) as z:
-            return _results(z, json.loads(bytes(z["meta"]).decode()))
+            return part(z, json.loads(bytes(z["meta"]).decode()))
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
         raise ResumeError(f"{path} cannot be read ({type(e).__name__}: {e}); start the run again without "
                           "--resume") from None
+
+
+def read_results(folder: str, i: int) -> dict[str, UnitResult]:
+    """Block ``i``'s ``{unit: UnitResult}`` as saved in ``folder`` (a streamed run's finished block)."""
+    return _read_block(folder, i, _results)
 
 
 def read_floats(folder: str, i: int) -> dict[str, np.ndarray]:
     """Block ``i``'s changed float tensors as saved in ``folder`` (``{layer-relative key: array}``)."""
-    path = _block_path(folder, i)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return _floats(z, json.loads(bytes(z["meta"]).decode()))
-    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
-        raise ResumeError(f"{path} cannot be read ({type(e).__name__}: {e}); start the run again without "
-                          "--resume") from None
+    return _read_block(folder, i, _floats)
 
 
 def _floats(z, meta: dict) -> dict[str, np.ndarray]:
