@@ -23,10 +23,14 @@
 #                                   tokens vs one step); kernel rows with device-side time (profiler) in
 #                                   $OUT/kernels_device.txt; $OUT/decode.md names the chip in every row
 #   benchmarks/gpu/run.sh decode --dry-run   the plan and the imports, no GPU needed
+#   benchmarks/gpu/run.sh autoround AutoRound at the real shapes (issue 49): one GDN and one attention block, random
+#                                   weights made on the device, seed 000's recipe (W2 g64 experts, W4 g128 rest,
+#                                   batch 8 × 2048), alg_ext on and off: s/iteration, peak device memory, the projected
+#                                   whole seed-000 run (40 blocks × 1000 iterations), < 9 min
 # Knobs (environment): REPEATS, KERNEL_ARGS (extra benchmarks/kernels.py flags), KERNEL_TIMEOUT, RECIPES, BASELINE
 # ('' for none), RECIPE_TIMEOUT, E2E_TIMEOUT, VISION_REPEATS, VISION_TIMEOUT; decode: DECODE_MODES, DECODE_RECIPES,
 # GRAPHS_TIMEOUT, DECODE_E2E_TIMEOUT, DECODE_KERNEL_TIMEOUT, DECODE_DEVTIME_TIMEOUT, DECODE_DEVTIME_FILTER,
-# DECODE_SPEC_TIMEOUT.
+# DECODE_SPEC_TIMEOUT; autoround: AUTOROUND_TIMEOUT, AUTOROUND_ARGS.
 # Results land in $OUT (kernels.txt, e2e.md, e2e.json, vision.md); copy the tables into benchmarks/RESULTS.md.
 # The GPU image cannot install packages, so qjax is made importable from the working tree through a symlinked
 # package folder (kernels/ -> qjax.kernels, convert/ -> qjax.convert), exactly as pyproject maps them.
@@ -35,7 +39,7 @@ cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 PHASE=${1:-all}
 case "$PHASE" in
-  kernels|e2e|serve|spec|vision|sweep|all|decode) ;;
+  kernels|e2e|serve|spec|vision|sweep|all|decode|autoround) ;;
   budget)
     self="$0"; rc=0
     REPEATS=10 KERNEL_TIMEOUT=120 KERNEL_ARGS="--skip-dense --skip-gdn" "$self" kernels || rc=1
@@ -44,7 +48,7 @@ case "$PHASE" in
     VISION_REPEATS=5 VISION_TIMEOUT=100 "$self" vision || rc=1
     RECIPES=w2w4 BASELINE= RECIPE_TIMEOUT=170 E2E_TIMEOUT=180 "$self" e2e || rc=1
     exit $rc;;
-  *) echo "usage: $0 [kernels|e2e|serve|spec|vision|sweep|all|budget|decode [--dry-run]]" >&2; exit 2;;
+  *) echo "usage: $0 [kernels|e2e|serve|spec|vision|sweep|all|budget|autoround|decode [--dry-run]]" >&2; exit 2;;
 esac
 PKG=$(mktemp -d)
 mkdir -p "$PKG/qjax"
@@ -99,6 +103,11 @@ fi
 if [[ $PHASE == vision || $PHASE == all ]]; then
   # qjax only (the image has no torch/transformers, maybe no Pillow: pixel values come from numpy); writes vision.md
   timeout ${VISION_TIMEOUT:-300} python3 benchmarks/vision.py --gpu --repeats ${VISION_REPEATS:-10} --out "$OUT" 2>&1
+fi
+if [[ $PHASE == autoround ]]; then
+  # each setting (alg_ext on, off) in its own child process, so each peak is its own; the table names the chip
+  timeout ${AUTOROUND_TIMEOUT:-520} python3 benchmarks/autoround_blocks_gpu.py ${AUTOROUND_ARGS:---iters 20 --nsamples 32} \
+    2>&1 | tee "$OUT/autoround.txt"
 fi
 if [[ $PHASE == decode ]]; then
   rc=0
