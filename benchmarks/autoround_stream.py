@@ -15,6 +15,7 @@ against the target: 40 % of the checkpoint's size plus the three cached calibrat
 over ``--runs``, ratio to the limit (≤ 1 meets the target).
 
     python benchmarks/autoround_stream.py [--iters 2 --nsamples 8 --seqlen 512] [--runs 1] [--keep DIR]
+        [--layers 8 --trace FILE --compile_cache DIR|off]   # profiling: fewer layers, RSS over time with the log
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -40,17 +42,18 @@ RECIPE = ["--bits", "4", "--group_size", "128", "--layer_config", "{.*experts.*:
           "--enable_alg_ext", "--enable_torch_compile", "--format", "auto_round,llm_compressor"]
 
 
-def scaled_config():
-    """The real config at narrow widths, every layer, expert count and top-k kept (see the module docstring)."""
+def scaled_config(layers: int = 40):
+    """The real config at narrow widths, every layer (or the first ``layers`` of the pattern), expert count and top-k
+    kept (see the module docstring)."""
     from qjax.model.config import TextConfig
     from qjax.runtime.bench import load_config, scaled_config as scale
 
-    raw = scale(load_config().to_hf_dict(), width=8, layers=40)
+    raw = scale(load_config().to_hf_dict(), width=8, layers=layers)
     raw.update(hidden_size=384, moe_intermediate_size=64, shared_expert_intermediate_size=64)
     return TextConfig.from_dict(raw, source="qwen3_6_35b_a3b scaled (benchmarks/autoround_stream.py)")
 
 
-def build_checkpoint(folder: str, seed: int = 0) -> int:
+def build_checkpoint(folder: str, seed: int = 0, layers: int = 40) -> int:
     """The seeded BF16 checkpoint in ``folder``; returns its size in bytes (the safetensors files)."""
     import jax.numpy as jnp
 
@@ -58,7 +61,7 @@ def build_checkpoint(folder: str, seed: int = 0) -> int:
     from qjax.model.config import VisionConfig
     from qjax.model.qwen3_5_moe import init_model
 
-    cfg = scaled_config()
+    cfg = scaled_config(layers)
     v = cfg.vocab_size
     vision = VisionConfig(depth=2, hidden_size=64, num_heads=2, intermediate_size=128, patch_size=16,
                           num_position_embeddings=64, out_hidden_size=cfg.hidden_size, image_token_id=v - 8,
@@ -75,11 +78,15 @@ def write_calibration(path: str, vocab: int, nsamples: int, seqlen: int, seed: i
             f.write(json.dumps({"input_ids": rng.integers(0, vocab - 16, seqlen + 1).tolist()}) + "\n")
 
 
-def peak_rss(cmd: list[str], env: dict) -> tuple[int, float, str]:
-    """(peak resident bytes of the child, seconds, the tail of its stderr)."""
+def peak_rss(cmd: list[str], env: dict, trace: str | None = None) -> tuple[int, float, str]:
+    """(peak resident bytes of the child, seconds, the tail of its stderr). ``trace``: a file where the child's
+    resident size is written every 0.2 s (``t rss anon … file …``, MiB) and each line of its log as it comes (``t # line``), to see
+    which phase the memory belongs to."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as err:
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if trace else err, env=env)
+        if trace:
+            _trace(p, t0, trace, err)
         _, status, usage = os.wait4(p.pid, 0)
         p.returncode = os.waitstatus_to_exitcode(status)
         err.seek(0)
@@ -89,6 +96,39 @@ def peak_rss(cmd: list[str], env: dict) -> tuple[int, float, str]:
     return usage.ru_maxrss * 1024, time.perf_counter() - t0, tail
 
 
+def _trace(p: subprocess.Popen, t0: float, path: str, err) -> None:
+    """Sample ``p``'s VmRSS (and its anonymous and file-backed parts, MiB) every 0.2 s and copy its stderr lines (progress bars split at their carriage returns)
+    into ``path`` with the seconds since ``t0``, until its stderr closes; its stderr also goes to ``err``."""
+    lines: list[tuple[float, str]] = []
+
+    def read():
+        for raw in p.stderr:
+            err.write(raw)
+            for part in raw.decode(errors="replace").replace("\r", "\n").splitlines():
+                if part.strip():
+                    lines.append((time.perf_counter() - t0, part.strip()))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    with open(path, "w", encoding="utf-8") as f:
+        while reader.is_alive():
+            try:
+                with open(f"/proc/{p.pid}/status", encoding="ascii") as st:
+                    kb = {x.split(":")[0]: int(x.split()[1]) for x in st if x.startswith(("VmRSS:", "RssAnon:",
+                                                                                        "RssFile:"))}
+            except OSError:
+                kb = {}  # exited
+            while lines:
+                t, line = lines.pop(0)
+                f.write(f"{t:.2f} # {line}\n")
+            f.write(f"{time.perf_counter() - t0:.2f} {kb.get('VmRSS', 0) / 1024:.0f} anon "
+                    f"{kb.get('RssAnon', 0) / 1024:.0f} file {kb.get('RssFile', 0) / 1024:.0f}\n")
+            f.flush()
+            time.sleep(0.2)
+        for t, line in lines:
+            f.write(f"{t:.2f} # {line}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=2)
@@ -96,16 +136,22 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--keep", default=None, help="build (or reuse) the checkpoint in this folder, and keep it")
+    ap.add_argument("--layers", type=int, default=40, help="the first N layers of the pattern (a smaller variant "
+                    "for profiling; the target is stated for 40)")
+    ap.add_argument("--trace", default=None, help="write the child's resident size every 0.2 s and its log lines, "
+                    "timestamped, to this file (runs without --quiet; the last run's trace)")
+    ap.add_argument("--compile_cache", default=None, help="the child's --compile_cache (DIR or off; default: the "
+                    "command's own)")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="qjax-autoround-stream-")
     try:
         folder = a.keep or os.path.join(tmp, "model")
         if not os.path.isfile(os.path.join(folder, "config.json")):
             t0 = time.perf_counter()
-            build_checkpoint(folder)
+            build_checkpoint(folder, layers=a.layers)
             print(f"built {folder} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
-        cfg = scaled_config()
+        cfg = scaled_config(a.layers)
         calib = os.path.join(tmp, "calib.jsonl")
         write_calibration(calib, cfg.vocab_size, a.nsamples, a.seqlen)
         streams = 3 * a.nsamples * a.seqlen * cfg.hidden_size * 2
@@ -114,8 +160,11 @@ def main() -> None:
         for r in range(a.runs):
             out = os.path.join(tmp, f"out{r}")
             args = ["--model", folder, "--dataset", calib, "--output_dir", out, *RECIPE, "--iters", str(a.iters),
-                    "--nsamples", str(a.nsamples), "--seqlen", str(a.seqlen), "--quiet"]
-            peak, sec, tail = peak_rss([sys.executable, "-m", "qjax.cli", "quantize", *args], dict(os.environ))
+                    "--nsamples", str(a.nsamples), "--seqlen", str(a.seqlen)]
+            args += [] if a.trace else ["--quiet"]
+            args += ["--compile_cache", a.compile_cache] if a.compile_cache else []
+            peak, sec, tail = peak_rss([sys.executable, "-m", "qjax.cli", "quantize", *args], dict(os.environ),
+                                       a.trace)
             peaks.append(peak)
             secs.append(sec)
             print(f"run {r + 1}: peak RSS {peak / 2**20:,.0f} MiB, {sec:.0f} s", file=sys.stderr)

@@ -309,6 +309,7 @@ class AutoRound:
             if self.source.streamed:  # saved in the progress folder: the export reads it from there
                 del self.results[i]
                 self.floats.pop(i, None)
+                stream.trim_host_memory()
         if self.head_scheme is not None:
             self._quantize_head(fp_in, q_in)
         return self.results
@@ -402,6 +403,8 @@ class AutoRound:
         tune = cfg.iters > 0 and bool(params)
         stats = (None, None, None, None, None)
         if tune:
+            if self.source.streamed:  # what the forwards and the start freed, before the step's buffers come
+                stream.trim_host_memory()
             params, stats = (tuner or self._tune)(i, layer, units, weights, consts, params, x_in, fp_out)
         plan = tuple((u, s, self._opt_rtn(s, u), self._alpha_max(s)) for u, s in units)
         codes = jax.device_get(_end_fn(plan, cfg.scale_dtype, self.programs)(weights, params, consts, imatrix))

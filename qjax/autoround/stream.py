@@ -21,6 +21,10 @@ layer forwards slice them per batch, and the tuning step receives each chunk's m
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,3 +163,22 @@ def gather_chunk(idx: np.ndarray, streams: tuple, sharding=None) -> tuple[jnp.nd
     flat = idx.reshape(-1)
     chunks = tuple(jax.device_put(np.take(s, flat, axis=0), sharding) for s in streams)
     return jnp.asarray(local), chunks
+
+
+def trim_host_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere). XLA:CPU's
+    buffers below glibc's mmap threshold (which rises to 32 MiB as large buffers are freed) and the loader's reads
+    come from the heap, and glibc keeps what they free for reuse: without this the resident size grows by what one
+    block's programs freed, and the next tuning step's own buffers come on top of it."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
