@@ -15,7 +15,10 @@ tokenizer) and qjax both decode greedily from the same prompts; tokens are compa
 (``check_logprobs_close``: identical up to the first differing step, where each side's token must be in the other's
 top 5 — a near tie), and the log-probs of the chosen tokens before any divergence must be close. qjax in float32 on
 the same weights is the reference that shows whose bf16 rounding moved. Then each quantized scheme qjax writes (RTN, compressed-tensors) is offered to vLLM and whether
-it runs, or the one-line reason it does not, is recorded. The qjax side runs in this interpreter (qjax's own venv).
+it runs, or the one-line reason it does not, is recorded; so are the exports of ``qjax quantize --algorithm awq`` and
+``--algorithm gptq`` (:func:`qjax.autoround.api.quantize_folder`, W4 g32, the routed experts left BF16, calibrated on
+random token ids), whose rescaled BF16 tensors (AWQ: the norms, the router, the shared-expert gate, the experts) vLLM
+must read as qjax does. The qjax side runs in this interpreter (qjax's own venv).
 """
 
 from __future__ import annotations
@@ -205,6 +208,17 @@ def run_vllm(venv: str, model_dir: str, prompts: list[list[int]], max_tokens: in
 DENSE_EXPERTS = "attn={0},linear_attn={0},shared={0}"
 SCHEMES = ("experts=int2:g32,rest=int4:g32", "rest=int4:g32", "rest=int4:g32:asym", "rest=int8:g32", "experts=mxfp8",
            DENSE_EXPERTS.format("int4:g32"), DENSE_EXPERTS.format("int4:g32:asym"))
+# The exports of ``qjax quantize --algorithm awq`` / ``gptq`` (qjax.autoround.api.quantize_folder, compressed-tensors):
+# W4 g32 everywhere AutoRound quantizes but the routed experts, kept BF16 ({"bits": 16}: auto-round's "not
+# quantized"), so only vLLM's dense WNA16 kernels are needed (it has no CPU kernel for packed-INT experts). AWQ also
+# rewrites BF16 tensors (norms, router, shared-expert gate, the experts it balances): the export's float side.
+# The pattern is auto-round's kind (to_standard_regex): bare dots are literal, a plain name matches as a substring —
+# "mlp.experts" catches model.layers.N.mlp.experts.E.*_proj and not mlp.shared_expert; an escaped "\." would be
+# escaped again and match nothing (a warning only), so the export is checked for packed experts below.
+ALGORITHMS = ("awq", "gptq")
+ALGO_BITS, ALGO_GROUP = 4, 32
+ALGO_LAYER_CONFIG = {"mlp.experts": {"bits": 16}}
+CALIB_SAMPLES, CALIB_SEQLEN, CALIB_BATCH = 16, 64, 8  # random token ids: the random model folder has no tokenizer
 TOP = 5  # log-probs kept per step: a divergence is a near tie when each side's token is in the other's top 5
 
 # A random model's next-token distribution is nearly flat (log-probs ≈ −ln V): every token would sit in the top 5 of
@@ -239,6 +253,44 @@ def build_model(cfg, seed: int):
     w = model.lm_head.weight
     w.set_value(w[...] * LM_HEAD_SCALE)
     return model
+
+
+def algorithm_label(alg: str) -> str:
+    return f"{alg.upper()} W{ALGO_BITS} g{ALGO_GROUP}, experts dense"
+
+
+def calibration_file(work: str, vocab_size: int, seed: int = 1) -> str:
+    """A ``.jsonl`` of ``{"input_ids": [...]}`` rows (:mod:`qjax.autoround.data`'s token-id form): random ids, one
+    row per sample, each ``CALIB_SEQLEN`` long."""
+    import numpy as np
+
+    path = os.path.join(work, "calib.jsonl")
+    rng = np.random.default_rng(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(CALIB_SAMPLES):
+            f.write(json.dumps({"input_ids": rng.integers(0, vocab_size, CALIB_SEQLEN).tolist()}) + "\n")
+    return path
+
+
+def quantize_with(alg: str, src: str, out: str, dataset: str) -> float:
+    """``qjax quantize --algorithm alg`` of ``src`` into ``out`` (the CLI's streamed path); returns the seconds."""
+    from qjax.autoround import algorithms
+    from qjax.autoround.api import quantize_folder
+    from qjax.autoround.driver import AutoRoundConfig
+
+    cfg = AutoRoundConfig(bits=ALGO_BITS, group_size=ALGO_GROUP, layer_config=dict(ALGO_LAYER_CONFIG),
+                          nsamples=CALIB_SAMPLES, seqlen=CALIB_SEQLEN, batch_size=CALIB_BATCH)
+    t0 = time.perf_counter()
+    quantize_folder(src, out, cfg, dataset=dataset, algorithm=algorithms.make(alg), progress=False, overwrite=True)
+    seconds = time.perf_counter() - t0
+    from safetensors import safe_open
+
+    keys = [k for f in sorted(glob.glob(os.path.join(out, "*.safetensors"))) for k in safe_open(f, "np").keys()]
+    packed = [k for k in keys if ".mlp.experts." in k and k.endswith(".weight_packed")]
+    if packed or not any(k.endswith(".weight_packed") for k in keys):
+        raise RuntimeError(f"{out}: the export is not 'experts dense, the rest packed' ({len(packed)} packed expert "
+                           f"tensors, e.g. {packed[:1]})")
+    return seconds
 
 
 def qjax_greedy(model_dir: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
@@ -323,10 +375,16 @@ def tokens_cell(c: dict) -> str:
 
 
 def agree(runs: list[dict]) -> bool:
-    """The check passes: vLLM runs every BF16 checkpoint, and every checkpoint it runs agrees with qjax (a quantized
-    scheme vLLM cannot run is recorded, not failed: that is vLLM's CPU backend, not the checkpoint)."""
-    return all(("error" not in r["vllm"] or r["recipe"] is not None)
+    """The check passes: vLLM runs every BF16 checkpoint, qjax writes every AWQ / GPTQ export, and every checkpoint
+    vLLM runs agrees with qjax (a quantized scheme vLLM cannot run is recorded, not failed: that is vLLM's CPU
+    backend, not the checkpoint)."""
+    return all(("error" not in r["vllm"] or r["recipe"] is not None) and "quantize_error" not in r
                and all(c["ok"] for c in r.get("compare", {}).values()) for r in runs)
+
+
+def run_label(r: dict) -> str:
+    """A quantized run's name in the table: the RTN recipe in backticks, or ``AWQ W4 g32, experts dense``."""
+    return algorithm_label(r["algorithm"]) if r.get("algorithm") else f"`{r['recipe']}`"
 
 
 def markdown(res: dict) -> str:
@@ -360,19 +418,29 @@ def markdown(res: dict) -> str:
         for label, c in r["compare"].items():
             lines.append(f"| {r['name']} | {r['gdn']} | {label} | {cell(tokens_cell(c))} | {c['max_dlogprob']:.3f} "
                          f"| {r['vllm']['seconds']:.0f} | {r['qjax_seconds']:.0f} |")
+    algo = res.get("algorithms") or {}
+    algo_note = ""
+    if any(r.get("algorithm") for r in res["runs"]):
+        algo_note = (f" The AWQ / GPTQ rows: `qjax.autoround.api.quantize_folder` (what `qjax quantize --algorithm "
+                     f"awq|gptq` runs) of the BF16 folder, `AutoRoundConfig(bits={ALGO_BITS}, "
+                     f"group_size={ALGO_GROUP}, layer_config={json.dumps(ALGO_LAYER_CONFIG)})` — the routed experts "
+                     f"left BF16 — calibrated on {algo.get('calibration', '?')}; seconds to quantize: "
+                     + ", ".join(f"{r['algorithm'].upper()} {r['quantize_seconds']:.0f} s" for r in res["runs"]
+                                 if r.get("algorithm") and "quantize_seconds" in r) + ".")
     lines += ["", ("Quantized checkpoints (RTN, `qjax.autoround.rtn.quantize_model`, compressed-tensors, GDN head "
-                   "dim 128; where vLLM runs one, compared with qjax BF16 on the same folder):"), "",
+                   "dim 128; where vLLM runs one, compared with qjax BF16 on the same folder)." + algo_note), "",
               "| recipe | vLLM | greedy tokens, or why vLLM fails | max \\|Δ log-prob\\| |", "|---|---|---|---|"]
     for r in res["runs"]:
         if r["recipe"] is None:
             continue
         if "error" in r["vllm"]:
-            lines.append(f"| `{r['recipe']}` | fails | {cell(r['vllm']['error'])} | — |")
+            lines.append(f"| {run_label(r)} | {'not run' if 'quantize_error' in r else 'fails'} | "
+                         f"{cell(r['vllm']['error'])} | — |")
         else:
             c = r["compare"]["vLLM BF16 vs qjax BF16"]
-            lines.append(f"| `{r['recipe']}` | runs | {cell(tokens_cell(c))} | {c['max_dlogprob']:.3f} |")
+            lines.append(f"| {run_label(r)} | runs | {cell(tokens_cell(c))} | {c['max_dlogprob']:.3f} |")
     ok = agree(res["runs"])
-    runs_q = [f"`{r['recipe']}`" for r in res["runs"] if r["recipe"] is not None and "error" not in r["vllm"]]
+    runs_q = [run_label(r) for r in res["runs"] if r["recipe"] is not None and "error" not in r["vllm"]]
     quantized = "vLLM runs " + ", ".join(runs_q) if runs_q else "vLLM runs none of them on this host"
     verdict = "vLLM runs qjax-written checkpoints and agrees with qjax" if ok else "FAILED (see the tables)"
     lines += ["", f"Result: {verdict}. Quantized: {quantized}."]
@@ -393,6 +461,8 @@ def main(argv=None) -> int:
     p.add_argument("--index-url", default="https://pypi.org/simple", help="index the venv is installed from")
     # a recipe is itself comma-separated ("experts=int2:g32,rest=int4:g32"), so recipes are separated by ";"
     p.add_argument("--schemes", default=";".join(SCHEMES), help="';'-separated RTN recipes ('' for none)")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS),
+                   help="','-separated --algorithm exports to check (of awq, gptq; '' for none)")
     p.add_argument("--prompts", type=int, default=3, help="how many prompts (at most 6)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--timeout", type=int, default=1200, help="seconds one vLLM run may take")
@@ -425,18 +495,39 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 1024, n).tolist() for n in (6, 23, 61, 40, 11, 90)[:a.prompts]]
     schemes = [s.strip() for s in a.schemes.split(";") if s.strip()]
-    # the quantized checkpoints are of the real GDN width (128)
-    plan = [(64, None), (128, None), *[(128, s) for s in schemes]]
-    models, runs = {}, []
-    for gdn, recipe in plan:
+    algs = [s.strip().lower() for s in a.algorithms.split(",") if s.strip()]
+    unknown = [x for x in algs if x not in ALGORITHMS]
+    if unknown:
+        p.error(f"--algorithms: unknown {', '.join(unknown)} (known: {', '.join(ALGORITHMS)})")
+    # the quantized checkpoints are of the real GDN width (128); (gdn, RTN recipe, --algorithm)
+    plan = [(64, None, None), (128, None, None), *[(128, s, None) for s in schemes], *[(128, None, x) for x in algs]]
+    models, runs, calib = {}, [], None
+    for gdn, recipe, alg in plan:
         if gdn not in models:
             models[gdn] = build_model(tiny_config(gdn), seed=gdn)
-        name = "BF16" if recipe is None else recipe
-        folder = os.path.join(work, f"gdn{gdn}-" + ("bf16" if recipe is None else slug(recipe)))
-        model = models[gdn] if recipe is None else quantize_model(models[gdn], recipe_to_qconfig(recipe))
-        save_pretrained(model, folder, overwrite=True)
-        theirs = run_vllm(venv, folder, prompts, a.max_tokens, timeout=a.timeout)
-        r = {"name": name, "gdn": gdn, "recipe": recipe, "vllm": theirs, "qjax_seconds": 0.0}
+        bf16_folder = os.path.join(work, f"gdn{gdn}-bf16")
+        r = {"gdn": gdn, "qjax_seconds": 0.0}
+        if alg is not None:  # quantize_folder reads the BF16 folder written by the plan's BF16 run of this width
+            if not os.path.exists(bf16_folder):
+                save_pretrained(models[gdn], bf16_folder, overwrite=True)
+            if calib is None:
+                calib = calibration_file(work, tiny_config(gdn).vocab_size)
+            recipe = name = algorithm_label(alg)
+            folder = os.path.join(work, f"gdn{gdn}-{alg}")
+            try:
+                r["quantize_seconds"] = quantize_with(alg, bf16_folder, folder, calib)
+            except Exception as e:  # noqa: BLE001 - recorded as the row's reason; the other rows still run
+                r["quantize_error"] = f"{type(e).__name__}: {e}"
+        else:
+            name = "BF16" if recipe is None else recipe
+            folder = bf16_folder if recipe is None else os.path.join(work, f"gdn{gdn}-" + slug(recipe))
+            model = models[gdn] if recipe is None else quantize_model(models[gdn], recipe_to_qconfig(recipe))
+            save_pretrained(model, folder, overwrite=True)
+        if "quantize_error" in r:
+            theirs = {"error": f"qjax quantize --algorithm {alg} failed: {r['quantize_error']}"[:500], "seconds": 0.0}
+        else:
+            theirs = run_vllm(venv, folder, prompts, a.max_tokens, timeout=a.timeout)
+        r.update({"name": name, "recipe": recipe, "algorithm": alg, "vllm": theirs})
         if "error" not in theirs:  # qjax's side only where there is something to compare
             t0 = time.perf_counter()
             ours = qjax_greedy(folder, "bfloat16", prompts, a.max_tokens)
@@ -471,6 +562,8 @@ def main(argv=None) -> int:
                   f"{LM_HEAD_SCALE:g}",
         "prompts": prompts,
         "max_tokens": a.max_tokens,
+        "algorithms": {"calibration": f"{CALIB_SAMPLES} rows of {CALIB_SEQLEN} random token ids (a .jsonl of "
+                                      f"input_ids), batch {CALIB_BATCH}"},
         "runs": runs,
         "seconds": time.perf_counter() - t_start,
     }
