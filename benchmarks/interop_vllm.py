@@ -266,9 +266,9 @@ def calibration_file(work: str, vocab_size: int, seed: int = 1) -> str:
 
     path = os.path.join(work, "calib.jsonl")
     rng = np.random.default_rng(seed)
+    rows = [json.dumps({"input_ids": rng.integers(0, vocab_size, CALIB_SEQLEN).tolist()}) for _ in range(CALIB_SAMPLES)]
     with open(path, "w", encoding="utf-8") as f:
-        for _ in range(CALIB_SAMPLES):
-            f.write(json.dumps({"input_ids": rng.integers(0, vocab_size, CALIB_SEQLEN).tolist()}) + "\n")
+        f.write("\n".join(rows) + "\n")
     return path
 
 
@@ -285,7 +285,10 @@ def quantize_with(alg: str, src: str, out: str, dataset: str) -> float:
     seconds = time.perf_counter() - t0
     from safetensors import safe_open
 
-    keys = [k for f in sorted(glob.glob(os.path.join(out, "*.safetensors"))) for k in safe_open(f, "np").keys()]
+    keys: list[str] = []
+    for shard in sorted(glob.glob(os.path.join(out, "*.safetensors"))):
+        with safe_open(shard, "np") as h:
+            keys.extend(h.keys())
     packed = [k for k in keys if ".mlp.experts." in k and k.endswith(".weight_packed")]
     if packed or not any(k.endswith(".weight_packed") for k in keys):
         raise RuntimeError(f"{out}: the export is not 'experts dense, the rest packed' ({len(packed)} packed expert "
