@@ -26,21 +26,21 @@ from __future__ import annotations
 
 import os
 
-from qjax import xla_env  # noqa: E402
+from qjax import xla_env
 
 xla_env.apply(single_threaded=True)
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import datetime
+import platform
+import shlex
+import sys
+import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_speed import RESULTS, git_state, write_section  # noqa: E402
-from quality import SEED000, heldout_scorer, packed_matrices  # noqa: E402
+from cpu_speed import RESULTS, git_state, write_section
+from quality import SEED000, heldout_scorer, packed_matrices
 
 SECTION = "## AWQ and GPTQ: held-out perplexity and time per block (issue 51)"
 SCHEMES = {"W8G32": dict(bits=8, group_size=32), "W4G128": dict(bits=4, group_size=128),
