@@ -109,6 +109,24 @@ gc.set_threshold(700, 10, 1_000_000)
 gc.freeze()
 
 
+# The two workers take whole files (`--dist loadfile`) as they free up. pytest-xdist by default hands the files out
+# by test count, largest first, which puts the few-test, long files (a live server, the 8-device mesh probes) last: a
+# worker then runs one of them alone while the other has finished (the longest-first order is the classic remedy).
+# pyproject's addopts turns that reordering off (--no-loadscope-reorder) and this hook puts the files with the most
+# measured time first (tests' seconds summed per file, RESULTS.md "Test suite time": 2026-12-05 … 12-07), the rest
+# after them in their usual order. Only the order changes: each file still runs whole, in its own order, on one worker.
+LONGEST_FIRST = ("test_serving_api", "test_loading", "test_bench", "test_speculative", "test_quantize_cli",
+                 "test_compare", "test_autoround", "test_sharding", "test_generate", "test_serving_engine",
+                 "test_algorithms", "test_autoround_stream", "test_lm_head", "test_serving_failures",
+                 "test_validation_files", "test_model", "test_kernels_integration", "test_default_model",
+                 "test_chat_cli", "test_lm_eval_adapter", "test_xla_env")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: files keep their own order
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _collect_after_each_module():
     yield
