@@ -108,8 +108,11 @@ def _search(meta, t, i, parent):
              for n, v in weights.items()}
         return awq.mse(fp, parent(x, w))
 
-    with jax.enable_x64(True):  # llm-compressor's duo scales are float64 (see awq.scaled_qdq)
-        return awq.search_scales(xm, wm, lambda s: loss(jnp.asarray(s)), _config(meta))
+    # llm-compressor's duo scales are float64 (see awq.scaled_qdq): the grid stacked in float64 (its float32 points
+    # cast exactly), one call per point as llm-compressor and qjax's block loop compute them
+    with jax.enable_x64(True):
+        return awq.search_scales(xm, wm, lambda ss: np.stack([np.asarray(loss(jnp.asarray(s))) for s in ss]),
+                                 _config(meta), dtype=np.float64)
 
 
 @pytest.mark.parametrize("run", AWQ_RUNS)

@@ -158,6 +158,17 @@ def _parent_loss(graphdef, kind: str, parent: str, balance: tuple):
     return jax.jit(loss)
 
 
+def _grid_losses(loss, scales: np.ndarray, numel: int, *args) -> jax.Array:
+    """``[G]`` f32: ``loss(*args[:2], s, *args[2:]) / numel`` for every row ``s`` of ``scales [G, K]``, dispatched
+    one after the other without waiting (the host reads them back once, for the whole grid).
+
+    One compiled program per point, the one a single call runs: every loss is the per-point program's, bit for
+    bit. A program over the whole grid (``lax.map`` / ``vmap``) runs each point's matmuls and sums inside another
+    program, which XLA may compile with another float summation order — measured on a dense-JAX MoE block
+    (tests' harness): ``lax.map`` moved losses by 3e-7 relative, enough to flip a near-tie."""
+    return jnp.stack([loss(*args[:2], s, *args[2:]) for s in scales]) / numel
+
+
 @functools.lru_cache(maxsize=16)
 def _down_loss(scheme: Scheme):
     """``(inter [N, I], down [H, I], s [I], ref [N, H]) → Σ (inter · Q(down · s) / sᵀ − ref)²``."""
@@ -174,6 +185,14 @@ def _intermediate(x, gate, up):
     """SiLU(x gateᵀ) · (x upᵀ) in f32: a down projection's input (``x [N, H]``, ``gate``/``up`` ``[I, H]``)."""
     x = x.astype(jnp.float32)
     return silu(x @ gate.astype(jnp.float32).T) * (x @ up.astype(jnp.float32).T)
+
+
+def _committed(x) -> jax.Array:
+    """``x`` on its device, committed: the first block's stream arrives uncommitted and the later ones committed
+    (the previous block's outputs), and jit compiles a program again for a changed commitment — every parent loss
+    and the activations twice. On a numpy array: the default device."""
+    x = jnp.asarray(x)
+    return jax.device_put(x, next(iter(x.devices())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +239,7 @@ class AWQAlgorithm:
         dtype = weights[("post_attention_layernorm", "weight")].dtype
         n = b.x.shape[0]
         ctx = b.ctx(n)
-        a, mix_ref, hm, mi, moe_ref = _awq_activations(graphdef, b.kind)(state, jnp.asarray(b.x), ctx)
+        a, mix_ref, hm, mi, moe_ref = _awq_activations(graphdef, b.kind)(state, _committed(b.x), ctx)
         host = {k: np.asarray(v) for k, v in weights.items()}  # the folds run on the host, as llm-compressor's
         names = {"post_attention_layernorm": ("post_attention_layernorm", "weight"),
                  awq.ROUTER: ("mlp", "gate", "weight"), "mlp.shared_expert_gate": ("mlp", "shared_expert_gate", "weight")}
@@ -244,10 +263,10 @@ class AWQAlgorithm:
             still balanced, as llm-compressor does, but has no weight mean and is not fake-quantized)."""
             return tuple((units[nm], schemes[nm]) for nm in names_ if nm in schemes)
 
-        def search(x_flat, bal, loss):
+        def search(x_flat, bal, losses):
             x_mean = awq.activation_mean(np.asarray(awq.abs_sum(x_flat)), int(np.prod(x_flat.shape[:-1])))
             w_mean = awq.weight_mean([unit_w(u.name) for u, _ in bal], [s for _, s in bal])
-            return awq.search_scales(x_mean, w_mean, loss, self.cfg).scales
+            return awq.search_scales(x_mean, w_mean, losses, self.cfg).scales
 
         # 1. input_layernorm → the mixer's input projections (parent: the mixer)
         mix = awq.MAPPINGS["linear_attention" if b.kind == LINEAR else "full_attention"][1]
@@ -255,7 +274,7 @@ class AWQAlgorithm:
         if bal:  # no quantized balance layer: nothing to protect, the mapping is left out
             fn = _parent_loss(graphdef, b.kind, "mixer", bal)
             numel, dev = mix_ref.size, _device(host, weights)
-            s = search(a, bal, lambda s_: fn(state, dev, np.asarray(s_, np.float32), a, mix_ref, ctx) / numel)
+            s = search(a, bal, lambda s_: np.asarray(_grid_losses(fn, s_, numel, state, dev, a, mix_ref, ctx)))
             host[("input_layernorm", "weight")] = awq.smooth_zero_centred_norm(host[("input_layernorm", "weight")], s)
             for nm in mix:
                 set_unit(nm, awq.balance(unit_w(nm), s))
@@ -265,7 +284,7 @@ class AWQAlgorithm:
         if bal:
             fn = _parent_loss(graphdef, b.kind, "mlp", bal)
             numel, dev = moe_ref.size, _device(host, weights)
-            s = search(mi, bal, lambda s_: fn(state, dev, np.asarray(s_, np.float32), mi, moe_ref, ctx) / numel)
+            s = search(mi, bal, lambda s_: np.asarray(_grid_losses(fn, s_, numel, state, dev, mi, moe_ref, ctx)))
             key = names["post_attention_layernorm"]
             host[key] = awq.smooth_zero_centred_norm(host[key], s)
             for nm in _MOE:
@@ -281,20 +300,16 @@ class AWQAlgorithm:
                                 "mlp.shared_expert.down_proj")):
             if down not in schemes:
                 continue
-            g0, u0 = (np.asarray(blocks.unit_weight(weights, units[nm])) for nm in (gate, up))
-            ups, downs = unit_w(up).copy(), unit_w(down).copy()
-            loss = _down_loss(schemes[down])
-            for e in (range(downs.shape[0]) if units[down].experts else (None,)):
-                pick = (lambda w: w) if e is None else (lambda w, e=e: w[e])
-                inter = _intermediate(xm, pick(g0), pick(u0))
-                ref = inter @ jnp.asarray(pick(downs), jnp.float32).T
-                s = self._search_down(inter, pick(downs), schemes[down], loss, ref)
-                if e is None:
-                    ups, downs = awq.smooth_rows(ups, s), awq.balance(downs, s)
-                else:
-                    ups[e], downs[e] = awq.smooth_rows(ups[e], s), awq.balance(downs[e], s)
-            set_unit(up, ups)
-            set_unit(down, downs)
+            stacked = units[down].experts  # the shared expert: a stack of one, so both run the same code
+            g0, u0 = (blocks.unit_weight(weights, units[nm]) for nm in (gate, up))
+            ups, downs = unit_w(up), unit_w(down)
+            if not stacked:
+                g0, u0, ups, downs = g0[None], u0[None], ups[None], downs[None]
+            scales = self._search_down(xm, g0, u0, downs, schemes[down])
+            ups = np.stack([awq.smooth_rows(w, s) for w, s in zip(ups, scales)])
+            downs = np.stack([awq.balance(w, s) for w, s in zip(downs, scales)])
+            set_unit(up, ups if stacked else ups[0])
+            set_unit(down, downs if stacked else downs[0])
 
         # the router check, on this block's calibration tokens
         check = awq.router_check(hm.reshape(-1, hm.shape[-1]), float(b.mcfg.rms_norm_eps), orig,
@@ -316,14 +331,24 @@ class AWQAlgorithm:
             floats[key] = unit_w(key) if key in units else np.asarray(host[tuple(key.split("."))])
         return BlockOutput(results, floats)
 
-    def _search_down(self, inter, down, scheme, loss, ref):
-        x_mean = awq.activation_mean(np.asarray(awq.abs_sum(inter)), inter.shape[0])
-        w_mean = awq.weight_mean([down], [scheme])
-        numel = ref.size
-        down_j = jnp.asarray(down)
-        return awq.search_scales(x_mean, w_mean,
-                                 lambda s_: loss(inter, down_j, jnp.asarray(np.asarray(s_, np.float32)), ref) / numel,
-                                 self.cfg).scales
+    def _search_down(self, x, gate, up, down, scheme) -> list[np.ndarray]:
+        """Every expert's ``up → down`` mapping: the chosen scales ``[I]`` per expert. The experts share one program
+        per step (their shapes are equal) and every grid loss of every expert is dispatched before the host reads
+        any back (:func:`_grid_losses`); the host waits once per expert for its activation means, whose grid it
+        computes in float64 as llm-compressor does.
+
+        ``x [N, H]`` the MoE input (unsmoothed); ``gate``/``up`` ``[E, I, H]`` the float weights; ``down [E, H, I]``.
+        """
+        loss, numel = _down_loss(scheme), x.shape[0] * down.shape[1]
+        cands, pending = [], []
+        for e in range(down.shape[0]):
+            inter = _intermediate(x, gate[e], up[e])
+            ref = inter @ jnp.asarray(down[e], jnp.float32).T
+            x_mean = awq.activation_mean(np.asarray(awq.abs_sum(inter)), inter.shape[0])
+            cands.append(awq.candidate_scales(x_mean, awq.weight_mean([down[e]], [scheme]), self.cfg))
+            stacked = np.stack(cands[-1]).astype(np.float32)
+            pending.append(_grid_losses(loss, stacked, numel, inter, jnp.asarray(down[e]), ref))
+        return [awq.choose(c, np.asarray(p), self.cfg).scales for c, p in zip(cands, pending)]
 
 
 _MOE = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
@@ -405,7 +430,7 @@ def hessians(layer, x: jax.Array, units, ctx, batch_size: int) -> dict[str, tupl
     total = None
     for s in range(0, x.shape[0], batch_size):
         xb = x[s:s + batch_size]
-        got = run(state, jnp.asarray(xb), ctx(xb.shape[0]))
+        got = run(state, _committed(xb), ctx(xb.shape[0]))  # one program for every block (_committed)
         total = got if total is None else jax.tree.map(jnp.add, total, got)
     out = {}
     for u in dense:

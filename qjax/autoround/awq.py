@@ -159,31 +159,48 @@ class SearchResult:
     duo: bool
 
 
-def search_scales(x_mean: np.ndarray, w_mean: np.ndarray | None, loss: Callable[[np.ndarray], float],
-                  cfg: AWQConfig = AWQConfig()) -> SearchResult:
-    """Grid search of one mapping: the first grid point with the strictly smallest finite loss wins (as
-    llm-compressor's ``loss < best_error``).
+def candidate_scales(x_mean: np.ndarray, w_mean: np.ndarray | None, cfg: AWQConfig = AWQConfig()) -> list[np.ndarray]:
+    """Every grid point's :func:`grid_scales` ``[K]``, grid order (each in its own dtype: float64 duo, float32
+    plain). Stack them (``np.stack(..., dtype=…)``) for one batched loss call: a float32 point cast to float64 and a
+    float64 one cast to float32 lose nothing the loss would see (float32 → float64 is exact; float64 arithmetic on
+    float32 operands rounded to float32 is float32 arithmetic, as ``+ − × /`` round correctly twice)."""
+    if cfg.duo_scaling is not False and w_mean is None:
+        raise ValueError("search_scales: duo scaling needs w_mean")
+    return [grid_scales(x_mean, w_mean, ratio, duo) for ratio, duo in grid(cfg)]
+
+
+def choose(candidates: Sequence[np.ndarray], losses, cfg: AWQConfig = AWQConfig()) -> SearchResult:
+    """The grid point llm-compressor keeps from ``losses [G]`` (one float32 value per candidate, grid order): the
+    first with the strictly smallest finite loss (its ``loss < best_error``, starting from inf)."""
+    points = grid(cfg)
+    values = [float(v) for v in np.asarray(losses).reshape(-1)]
+    if len(values) != len(points):
+        raise ValueError(f"AWQ grid search: {len(values)} losses for {len(points)} grid points")
+    best, best_loss = -1, float("inf")
+    for i, value in enumerate(values):
+        if value < best_loss:  # NaN and inf never win
+            best, best_loss = i, value
+    if best < 0:
+        raise FloatingPointError("AWQ grid search: no finite loss (NaN in the parent's forward?)")
+    return SearchResult(candidates[best], values, best, *points[best])
+
+
+def search_scales(x_mean: np.ndarray, w_mean: np.ndarray | None, losses: Callable[[np.ndarray], np.ndarray],
+                  cfg: AWQConfig = AWQConfig(), dtype=_F32) -> SearchResult:
+    """Grid search of one mapping: every grid point's loss from one call, then :func:`choose`.
 
     Args:
       x_mean: ``[K]`` :func:`activation_mean`.
       w_mean: ``[K]`` :func:`weight_mean` (needed when ``cfg.duo_scaling`` is not False).
-      loss: scales ``[K]`` → the parent's output MSE with every quantized balance weight replaced by
-        :func:`scaled_qdq` (the caller's closure over the cached parent inputs and float outputs; jit it once).
+      losses: the grid's scales ``[G, K]`` (:func:`candidate_scales` stacked in ``dtype``) → ``[G]`` float32: the
+        parent's output MSE with every quantized balance weight replaced by :func:`scaled_qdq`, per grid point (the
+        caller's closure over the cached parent inputs and float outputs: one jitted program called per point,
+        every call dispatched before any loss is read back).
+      dtype: the stacked scales' dtype: float32 (qjax's block loop), or float64 under ``jax.enable_x64`` to
+        reproduce llm-compressor's float64 duo-scaling losses (:func:`scaled_qdq`).
     """
-    points = grid(cfg)
-    if cfg.duo_scaling is not False and w_mean is None:
-        raise ValueError("search_scales: duo scaling needs w_mean")
-    losses: list[float] = []
-    best, best_loss, best_scales = -1, float("inf"), None
-    for i, (ratio, duo) in enumerate(points):
-        s = grid_scales(x_mean, w_mean, ratio, duo)
-        value = float(loss(s))
-        losses.append(value)
-        if value < best_loss:
-            best, best_loss, best_scales = i, value, s
-    if best < 0:
-        raise FloatingPointError("AWQ grid search: no finite loss (NaN in the parent's forward?)")
-    return SearchResult(best_scales, losses, best, *points[best])
+    candidates = candidate_scales(x_mean, w_mean, cfg)
+    return choose(candidates, losses(np.stack(candidates).astype(dtype)), cfg)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
