@@ -453,6 +453,11 @@ def hessians(layer, x: jax.Array, units, ctx, batch_size: int) -> dict[str, tupl
 def _hessian_fn(graphdef):
     def run(state, x, ctx):
         m = nnx.merge(graphdef, state)
+        # flax ≥ 0.12.x collects sown values with nnx.capture and deprecates sow outside it; 0.12.0 (our floor) has
+        # no capture: the values are popped from the module there
+        if hasattr(nnx, "capture"):
+            _, sown = nnx.capture(m, nnx.Intermediate)(x, ctx, None)
+            return nnx.to_pure_dict(sown)
         m(x, ctx, None)
         return nnx.to_pure_dict(nnx.pop(m, nnx.Intermediate))
 
