@@ -251,6 +251,12 @@ class AutoRound:
 
     # -- main loop ----------------------------------------------------------------------------------------------------
     def run(self) -> dict[int, dict[str, UnitResult]]:
+        if not self.source.streamed:
+            return self._run()
+        with stream.trim_after_compiles():  # a streamed run's peak is one block's: no compiler leftovers under it
+            return self._run()
+
+    def _run(self) -> dict[int, dict[str, UnitResult]]:
         n = self.num_layers
         done = prog.load(self, keep_results=not self.source.streamed) if self.resume else 0
         if self.resume:

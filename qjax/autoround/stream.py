@@ -21,6 +21,7 @@ layer forwards slice them per batch, and the tuning step receives each chunk's m
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -173,6 +174,26 @@ def trim_host_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+# what jax records when XLA has compiled a program (jax._src.dispatch.BACKEND_COMPILE_EVENT), before it first runs
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def trim_after_compiles(min_seconds: float = 0.5):
+    """Within the block, :func:`trim_host_memory` after each XLA compile of ``min_seconds`` or more: a tuning step is
+    compiled and run in one call, and what the compiler freed (~0.5 GiB for a 256-expert step) would otherwise sit
+    under the step's own buffers at the block's peak. Short compiles leave little and are many: not trimmed."""
+    def listener(event: str, seconds: float, **_):
+        if event == BACKEND_COMPILE_EVENT and seconds >= min_seconds:
+            trim_host_memory()
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @functools.cache
