@@ -163,3 +163,18 @@ def test_a_folder_run_needs_a_progress_folder(tmp_path):
             source.layers  # noqa: B018
     finally:
         source.close()
+
+
+def test_compiles_are_trimmed_only_inside_the_run(monkeypatch):
+    """stream.trim_after_compiles: the heap is trimmed after a compile while the run's listener is registered, and
+    the listener is gone after it (jax's listeners are process-wide: a lingering one would trim in later runs)."""
+    import jax
+    import jax.numpy as jnp
+
+    calls = []
+    monkeypatch.setattr(stream, "trim_host_memory", lambda: calls.append(1))
+    with stream.trim_after_compiles(min_seconds=0.0):
+        jax.jit(lambda x: x * 3 + 1)(jnp.ones(5)).block_until_ready()
+    inside = len(calls)
+    jax.jit(lambda x: x * 5 - 2)(jnp.ones(7)).block_until_ready()
+    assert inside >= 1 and len(calls) == inside

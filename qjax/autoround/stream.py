@@ -182,7 +182,7 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 @contextlib.contextmanager
 def trim_after_compiles(min_seconds: float = 0.5):
-    """Within the block, :func:`trim_host_memory` after each XLA compile of ``min_seconds`` or more: a tuning step is
+    """Inside the ``with``, :func:`trim_host_memory` after each XLA compile of ``min_seconds`` or more: a tuning step is
     compiled and run in one call, and what the compiler freed (~0.5 GiB for a 256-expert step) would otherwise sit
     under the step's own buffers at the block's peak. Short compiles leave little and are many: not trimmed."""
     def listener(event: str, seconds: float, **_):
