@@ -23,6 +23,10 @@ from qjax.checkpoint.safetensors_io import SafetensorsFile
 from qjax.quant import fake_quant
 from qjax.quant.packing import pack_int32
 
+# whole AWQ / GPTQ runs (the module fixture alone quantizes the model three times, ~16 s on 2 cores): out of the fast
+# loop, as the other AutoRound runs
+pytestmark = pytest.mark.slow
+
 CFG = AutoRoundConfig(bits=4, group_size=32, nsamples=NSAMPLES, seqlen=SEQLEN, batch_size=4)
 # mean |logit − float logit| / mean |float logit| of the export on two calibration samples, W4 g32, against plain
 # min/max RTN's on the same model. The tiny random model amplifies any weight noise (RTN W8 is already 0.12), so the
