@@ -463,12 +463,35 @@ def test_a_few_hundred_fuzzed_requests_get_no_5xx_and_change_nothing(server, mod
 
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
+    doc = requests.get(server.url + "/openapi.json", timeout=30).json()
+
+    def body_is_valid(case) -> bool:
+        """Whether the route's own body schema accepts ``case.body`` (jsonschema_rs, schemathesis's validator, with
+        the document's components); a body that is not JSON at all is not valid."""
+        import jsonschema_rs
+
+        body = doc["paths"][case.operation.path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        try:
+            return jsonschema_rs.Draft202012Validator({**body, "components": doc["components"]}).is_valid(case.body)
+        except (ValueError, TypeError, jsonschema_rs.ReferencingError):
+            return False
+
+    @schemathesis.check
+    def rejects_invalid_bodies(ctx, response, case):
+        """schemathesis's negative-data check, on bodies that really break the schema: its negative mode mutates one
+        branch of a union and can leave a body another branch accepts — e.g. a chat message's ``content: string |
+        array | null`` with the array branch turned into null, then sent as null (seen once in a clean-clone run: a
+        valid /tokenize chat body, rightly answered 200). Such a body is a positive case: not_a_server_error holds."""
+        if body_is_valid(case):
+            return None
+        return negative_data_rejection(ctx, response, case)
+
     count = 0
     for op in ops:
         if op.method.upper() != "POST" or op.path == "/ping":
             continue
         for mode, n, checks in ((GenerationMode.POSITIVE, 40, [not_a_server_error]),
-                                (GenerationMode.NEGATIVE, 40, [not_a_server_error, negative_data_rejection])):
+                                (GenerationMode.NEGATIVE, 40, [not_a_server_error, rejects_invalid_bodies])):
             strategy = op.as_strategy(generation_mode=mode)
 
             @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
