@@ -29,6 +29,9 @@ compile the same programs run after run switch it on (``qjax quantize``: one tun
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 
 CORRECTNESS_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "individual_dot"}
@@ -58,3 +61,14 @@ def compile_cache_dir(flag: str | None = None, environ=os.environ) -> str | None
         value = os.path.join(base, "qjax", "jax")
     return None if value.strip().lower() in ("off", "none", "") else os.path.abspath(os.path.expanduser(value))
 
+
+@functools.cache
+def malloc_trim():
+    """glibc's ``malloc_trim`` (None elsewhere: other allocators return memory their own way). XLA:CPU's smaller
+    buffers and the readers' staging come from the C heap, whose freed pages glibc keeps for reuse; the server after
+    a large request and the streamed quantize between blocks hand them back with ``malloc_trim()(0)``."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None

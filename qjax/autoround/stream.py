@@ -22,14 +22,12 @@ layer forwards slice them per batch, and the tuning step receives each chunk's m
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qjax import xla_env
 from qjax.checkpoint.loading import ModelParts
 
 from . import blocks
@@ -171,7 +169,7 @@ def trim_host_memory() -> None:
     buffers below glibc's mmap threshold (which rises to 32 MiB as large buffers are freed) and the loader's reads
     come from the heap, and glibc keeps what they free for reuse: without this the resident size grows by what one
     block's programs freed, and the next tuning step's own buffers come on top of it."""
-    trim = _malloc_trim()
+    trim = xla_env.malloc_trim()
     if trim is not None:
         trim(0)
 
@@ -194,12 +192,3 @@ def trim_after_compiles(min_seconds: float = 0.5):
         yield
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-
-
-@functools.cache
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        return None

@@ -33,10 +33,7 @@ request with a 503 error object and ends each stream with a final chunk (``finis
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import dataclasses
-import functools
 import hmac
 import json
 import logging
@@ -52,6 +49,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import xla_env
 from ..multimodal.images import DEFAULT_MAX_IMAGE_PIXELS, ImageError, decode_image_url, num_image_tokens
 from ..multimodal.positions import PromptError, expand_image_tokens
 from ..multimodal.prompt import check_vision, image_processor
@@ -59,7 +57,6 @@ from ..tokenizer import TokenizerError
 from ..validation import parse_json
 from . import schema
 from .engine import Engine
-from .requests import EngineError, ImageInput, encode_images
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     ApiError,
@@ -84,6 +81,7 @@ from .protocol import (
     usage,
     validation_message,
 )
+from .requests import EngineError, ImageInput, encode_images
 
 logger = logging.getLogger("qjax.serving")
 
@@ -451,7 +449,7 @@ def _release_memory(state: ServerState) -> None:
     """Hand the heap's free memory back to the system soon (glibc keeps what Python and Pillow freed for reuse: a
     30 MB prompt or a few large images would otherwise stay in the server's resident size): one release at a time,
     at most every :data:`TRIM_INTERVAL` seconds, on a worker thread; one asked for meanwhile waits for its turn."""
-    if state.trim_pending or not _malloc_trim():
+    if state.trim_pending or not xla_env.malloc_trim():
         return
     state.trim_pending = True
 
@@ -459,19 +457,9 @@ def _release_memory(state: ServerState) -> None:
         await asyncio.sleep(max(0.0, state.last_trim + TRIM_INTERVAL - time.monotonic()))
         state.trim_pending = False
         state.last_trim = time.monotonic()
-        await asyncio.to_thread(_malloc_trim(), 0)
+        await asyncio.to_thread(xla_env.malloc_trim(), 0)
 
     asyncio.get_running_loop().create_task(release())
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's ``malloc_trim`` (None elsewhere: other allocators return memory their own way)."""
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
