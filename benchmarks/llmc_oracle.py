@@ -78,7 +78,7 @@ def ensure_venv(venv: str, python: str, wheels: str) -> float:
 # shadow the ``kernels`` package transformers probes).
 MODEL_RUN = r"""
 import importlib.util, json, os, sys
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 spec = importlib.util.spec_from_file_location("llmc_oracle_worker", sys.argv[1])
 w = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(w)
@@ -98,11 +98,7 @@ for name in runs:
     recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": wargs}}, ignore=ignore, **opts)
     seconds = w.timed_oneshot(model, recipe, w.calibration_ids(), calib_all)
     folder = os.path.join(out, f"_{name}_model")
-    model.save_pretrained(folder, save_compressed=True)
-    saved = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            saved.update(load_file(os.path.join(folder, f)))
+    saved = w.saved_checkpoint(model, folder)
     save_file({k: v.contiguous() for k, v in saved.items() if k.startswith("model.layers.") and "weight_" in k},
               os.path.join(out, f"{name}_model.safetensors"))
     qc = json.load(open(os.path.join(folder, "config.json")))["quantization_config"]

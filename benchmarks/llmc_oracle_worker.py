@@ -138,6 +138,16 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0")
 
 
+def saved_checkpoint(model, folder: str) -> dict[str, torch.Tensor]:
+    """``model`` written compressed to ``folder`` by llm-compressor, then read back: every tensor of its files."""
+    model.save_pretrained(folder, save_compressed=True)
+    saved = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(folder, f)))
+    return saved
+
+
 def np32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).cpu().contiguous().clone()
 
@@ -198,11 +208,7 @@ def run_awq(name, wargs, opts, calib_all, src, ids, out):
     for i, rec in enumerate(mappings):
         tensors[f"m{i}.smooth_after"] = np32(named[rec["smooth"]].weight)
     folder = os.path.join(out, f"_{name}_ckpt")
-    model.save_pretrained(folder, save_compressed=True)
-    saved = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            saved.update(load_file(os.path.join(folder, f)))
+    saved = saved_checkpoint(model, folder)
     for k, v in saved.items():
         if name != "awq_w4g32_both" and k.startswith("model.layers.") and ("weight_" in k or k.endswith("norm.weight")
                                                or k.endswith("mlp.gate.weight") or k.endswith("shared_expert_gate.weight")):
